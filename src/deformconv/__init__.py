@@ -1,0 +1,21 @@
+"""deformconv: deformable convolution (DCNv1 offsets, DCNv2 modulation) for PyTorch.
+
+A drop-in for ``torchvision.ops.deform_conv2d`` registered as one ``torch.library`` op
+(``torch.ops.deformconv.deform_conv2d``), with a plain-PyTorch reference backend and fused Triton kernels.
+"""
+
+from .backends import not_supported_reasons, select_backend
+from .functional import deform_conv2d
+from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "deform_conv2d",
+    "DeformConv2d",
+    "DeformConv2dPack",
+    "ModulatedDeformConv2dPack",
+    "not_supported_reasons",
+    "select_backend",
+    "__version__",
+]

@@ -1,0 +1,147 @@
+"""The one dispatch point: which implementation runs a deform_conv2d call.
+
+Each backend says why it cannot run a given (device, dtype) through ``not_supported_reasons`` (an empty
+list means it can). Selection, in order: the ``backend=`` keyword, else the environment variable
+``DEFORMCONV_BACKEND``, else the first backend of ``PRIORITY`` that supports the call. A forced backend
+that cannot run raises with its reasons; when none can, the error lists every backend's reasons.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+ENV_VAR = "DEFORMCONV_BACKEND"
+
+
+class Backend:
+    """An implementation of the forward and backward of deform_conv2d."""
+
+    name: str = ""
+
+    def not_supported_reasons(self, device: torch.device, dtype: torch.dtype) -> List[str]:
+        raise NotImplementedError
+
+    def forward(self, input, offset, weight, bias, mask, stride, padding, dilation):
+        raise NotImplementedError
+
+    def backward(self, grad_out, input, offset, weight, mask, stride, padding, dilation, needs):
+        raise NotImplementedError
+
+
+class ReferenceBackend(Backend):
+    """Plain PyTorch: any device, any float dtype. Slow but obviously right."""
+
+    name = "reference"
+
+    def not_supported_reasons(self, device, dtype):
+        if not dtype.is_floating_point:
+            return [f"dtype {dtype} is not a floating-point type"]
+        return []
+
+    def forward(self, *args):
+        from .ops import reference
+
+        return reference.deform_conv2d_forward(*args)
+
+    def backward(self, *args):
+        from .ops import reference
+
+        return reference.deform_conv2d_backward(*args)
+
+
+def _triton_import_error() -> Optional[str]:
+    try:
+        import triton  # noqa: F401
+    except Exception as e:  # pragma: no cover - depends on the install
+        return f"triton is not importable ({type(e).__name__}: {e})"
+    return None
+
+
+def triton_interpret_mode() -> bool:
+    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonBackend(Backend):
+    """Fused implicit-GEMM Triton kernels: CUDA, or CPU tensors under TRITON_INTERPRET=1."""
+
+    name = "triton"
+    dtypes = (torch.float16, torch.bfloat16, torch.float32)
+
+    def not_supported_reasons(self, device, dtype):
+        reasons = []
+        err = _triton_import_error()
+        if err:
+            reasons.append(err)
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                reasons.append("CUDA is not available")
+            elif torch.cuda.get_device_capability(device)[0] < 8 and dtype == torch.bfloat16:
+                reasons.append(f"bfloat16 needs compute capability >= 8.0, {torch.cuda.get_device_name(device)} has less")
+            elif torch.cuda.get_device_capability(device)[0] < 7:
+                reasons.append("Triton needs compute capability >= 7.0")
+        elif device.type == "cpu":
+            if not triton_interpret_mode():
+                reasons.append("CPU tensors run on Triton only under TRITON_INTERPRET=1 (the interpreter)")
+        else:
+            reasons.append(f"device type {device.type!r} is not supported (CUDA only)")
+        if dtype == torch.float64:
+            reasons.append("float64 has no tensor-core path; the reference backend computes float64")
+        elif dtype not in self.dtypes:
+            reasons.append(f"dtype {dtype} is not one of float16, bfloat16, float32")
+        return reasons
+
+    def forward(self, *args):
+        from .ops import deform_conv2d
+
+        return deform_conv2d.deform_conv2d_forward(*args)
+
+    def backward(self, *args):
+        from .ops import deform_conv2d
+
+        return deform_conv2d.deform_conv2d_backward(*args)
+
+
+BACKENDS: Dict[str, Backend] = {b.name: b for b in (TritonBackend(), ReferenceBackend())}
+# Automatic choice tries these in order.
+PRIORITY: Sequence[str] = ("triton", "reference")
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"backend must be one of {sorted(BACKENDS)} (or None for automatic), got {name!r}") from None
+
+
+def not_supported_reasons(device: torch.device, dtype: torch.dtype) -> Dict[str, List[str]]:
+    """For every backend, why it cannot run this (device, dtype): an empty list means it can."""
+    return {name: BACKENDS[name].not_supported_reasons(device, dtype) for name in PRIORITY}
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, requested: Optional[str] = None) -> str:
+    """The name of the backend that runs a call on (device, dtype)."""
+    source = "backend="
+    if requested is None:
+        requested = os.environ.get(ENV_VAR) or None
+        source = f"{ENV_VAR}="
+    if requested is not None:
+        if requested == "auto":
+            requested = None
+        else:
+            reasons = get_backend(requested).not_supported_reasons(device, dtype)
+            if reasons:
+                raise RuntimeError(
+                    f"{source}{requested!r} cannot run on device {device} with dtype {dtype}: " + "; ".join(reasons)
+                )
+            return requested
+    all_reasons = not_supported_reasons(device, dtype)
+    for name in PRIORITY:
+        if not all_reasons[name]:
+            return name
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in all_reasons.items())
+    raise RuntimeError(f"no deform_conv2d backend can run on device {device} with dtype {dtype} ({detail})")

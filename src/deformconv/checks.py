@@ -1,0 +1,180 @@
+"""Argument checks for deform_conv2d: every bad input becomes a ValueError/TypeError that names the
+argument, what was expected and what came, before any kernel runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+IntPair = Union[int, Tuple[int, int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Everything the kernels need to know about one deform_conv2d call, derived from the shapes."""
+
+    batch: int
+    in_channels: int
+    height: int
+    width: int
+    out_channels: int
+    kernel_h: int
+    kernel_w: int
+    groups: int
+    offset_groups: int
+    stride: Tuple[int, int]
+    padding: Tuple[int, int]
+    dilation: Tuple[int, int]
+    out_h: int
+    out_w: int
+
+    @property
+    def taps(self) -> int:
+        return self.kernel_h * self.kernel_w
+
+
+def pair(value: IntPair, name: str) -> Tuple[int, int]:
+    """An int or a pair of ints as a tuple of two Python ints."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an int or a pair of ints, got a Tensor")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int or a pair of ints, got bool {value!r}")
+    if isinstance(value, int):
+        return (value, value)
+    try:
+        items = tuple(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int or a pair of ints, got {type(value).__name__} {value!r}") from None
+    if len(items) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+        raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
+    return (int(items[0]), int(items[1]))
+
+
+def _check_tensor(t: Tensor, name: str, ndim: int, shape_doc: str) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D tensor {shape_doc}, got {t.dim()}-D with shape {tuple(t.shape)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+
+
+def check_deform_conv2d_args(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    stride: IntPair,
+    padding: IntPair,
+    dilation: IntPair,
+    mask: Optional[Tensor],
+    *,
+    allow_mixed_dtypes: bool = False,
+) -> ConvGeometry:
+    """Validate a deform_conv2d call and return its geometry. Raises TypeError/ValueError on bad input."""
+    _check_tensor(input, "input", 4, "[N, Cin, H, W]")
+    _check_tensor(offset, "offset", 4, "[N, 2*offset_groups*kh*kw, Ho, Wo]")
+    _check_tensor(weight, "weight", 4, "[Cout, Cin/groups, kh, kw]")
+    if mask is not None:
+        _check_tensor(mask, "mask", 4, "[N, offset_groups*kh*kw, Ho, Wo]")
+    if bias is not None:
+        _check_tensor(bias, "bias", 1, "[Cout]")
+
+    named = [("offset", offset), ("weight", weight), ("mask", mask), ("bias", bias)]
+    for name, t in named:
+        if t is None:
+            continue
+        if t.device != input.device:
+            raise ValueError(f"{name} must be on the same device as input ({input.device}), got {t.device}")
+        if t.dtype != input.dtype and not allow_mixed_dtypes:
+            raise TypeError(f"{name} must have the same dtype as input ({input.dtype}), got {t.dtype}")
+
+    sh, sw = pair(stride, "stride")
+    ph, pw = pair(padding, "padding")
+    dh, dw = pair(dilation, "dilation")
+    if sh <= 0 or sw <= 0:
+        raise ValueError(f"stride must be positive, got {(sh, sw)}")
+    if ph < 0 or pw < 0:
+        raise ValueError(f"padding must be non-negative, got {(ph, pw)}")
+    if dh <= 0 or dw <= 0:
+        raise ValueError(f"dilation must be positive, got {(dh, dw)}")
+
+    n, cin, h, w = input.shape
+    cout, cin_per_group, kh, kw = weight.shape
+    if kh <= 0 or kw <= 0:
+        raise ValueError(f"weight must have a non-empty kernel, got kernel size {(kh, kw)}")
+    if cin_per_group <= 0 or cin % cin_per_group != 0:
+        raise ValueError(
+            f"input channels ({cin}) must be divisible by weight.shape[1] (Cin/groups = {cin_per_group})"
+        )
+    groups = cin // cin_per_group
+    if cout <= 0 or cout % groups != 0:
+        raise ValueError(f"weight.shape[0] (Cout = {cout}) must be a positive multiple of groups ({groups})")
+    if bias is not None and bias.shape[0] != cout:
+        raise ValueError(f"bias must have Cout = {cout} elements, got {bias.shape[0]}")
+
+    taps = kh * kw
+    if offset.shape[1] == 0 or offset.shape[1] % (2 * taps) != 0:
+        raise ValueError(
+            f"offset.shape[1] must be 2*offset_groups*kh*kw (a positive multiple of {2 * taps}), got {offset.shape[1]}"
+        )
+    offset_groups = offset.shape[1] // (2 * taps)
+    if cin % offset_groups != 0:
+        raise ValueError(f"input channels ({cin}) must be divisible by offset groups ({offset_groups})")
+
+    out_h = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    out_w = (w + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    if out_h <= 0 or out_w <= 0:
+        raise ValueError(
+            f"computed output size {(out_h, out_w)} is not positive for input size {(h, w)}, kernel {(kh, kw)}, "
+            f"stride {(sh, sw)}, padding {(ph, pw)}, dilation {(dh, dw)}"
+        )
+    if offset.shape[0] != n:
+        raise ValueError(f"offset batch size must equal input's ({n}), got {offset.shape[0]}")
+    if tuple(offset.shape[2:]) != (out_h, out_w):
+        raise ValueError(f"offset spatial size must be the output size {(out_h, out_w)}, got {tuple(offset.shape[2:])}")
+    if mask is not None:
+        if mask.shape[0] != n:
+            raise ValueError(f"mask batch size must equal input's ({n}), got {mask.shape[0]}")
+        if mask.shape[1] != offset_groups * taps:
+            raise ValueError(
+                f"mask.shape[1] must be offset_groups*kh*kw = {offset_groups * taps}, got {mask.shape[1]}"
+            )
+        if tuple(mask.shape[2:]) != (out_h, out_w):
+            raise ValueError(f"mask spatial size must be the output size {(out_h, out_w)}, got {tuple(mask.shape[2:])}")
+
+    return ConvGeometry(
+        batch=n, in_channels=cin, height=h, width=w, out_channels=cout, kernel_h=kh, kernel_w=kw,
+        groups=groups, offset_groups=offset_groups, stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw),
+        out_h=out_h, out_w=out_w,
+    )
+
+
+def geometry_from_tensors(
+    input: Tensor, offset: Tensor, weight: Tensor, stride: Sequence[int], padding: Sequence[int],
+    dilation: Sequence[int],
+) -> ConvGeometry:
+    """Geometry of an already-validated call (no checks): used inside backends."""
+    n, cin, h, w = input.shape
+    cout, cin_g, kh, kw = weight.shape
+    sh, sw = stride
+    ph, pw = padding
+    dh, dw = dilation
+    return ConvGeometry(
+        batch=n, in_channels=cin, height=h, width=w, out_channels=cout, kernel_h=kh, kernel_w=kw,
+        groups=cin // cin_g, offset_groups=offset.shape[1] // (2 * kh * kw),
+        stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw),
+        out_h=(h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1,
+        out_w=(w + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1,
+    )
+
+
+def suggest_memory_format(t: Tensor) -> torch.memory_format:
+    """channels_last when t is laid out NHWC (and not also plain-contiguous), else contiguous: the layout
+    F.conv2d gives its output."""
+    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+        return torch.channels_last
+    return torch.contiguous_format

@@ -1,0 +1,76 @@
+"""The public function: a drop-in replacement for ``torchvision.ops.deform_conv2d``."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
+from .backends import get_backend
+from .checks import IntPair, check_deform_conv2d_args
+
+
+def deform_conv2d(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor] = None,
+    stride: IntPair = (1, 1),
+    padding: IntPair = (0, 0),
+    dilation: IntPair = (1, 1),
+    mask: Optional[Tensor] = None,
+    *,
+    backend: Optional[str] = None,
+) -> Tensor:
+    r"""Deformable 2-D convolution: DCNv1 (offsets) or, if ``mask`` is given, DCNv2 (offsets and modulation).
+
+    Same arguments, layouts and results as :func:`torchvision.ops.deform_conv2d`. Each kernel tap ``(i, j)``
+    of offset group ``g`` samples the input bilinearly at its regular position moved by
+    ``(dy, dx) = (offset[:, 2*(g*kh*kw + i*kw + j)], offset[:, 2*(g*kh*kw + i*kw + j) + 1])``, with zeros
+    outside the image, and the sample is multiplied by ``mask[:, g*kh*kw + i*kw + j]`` when a mask is given.
+
+    Args:
+        input (Tensor[N, Cin, H, W]): input. NCHW or channels_last.
+        offset (Tensor[N, 2 * offset_groups * kh * kw, Ho, Wo]): sampling offsets, ``(dy, dx)`` pairs for each
+            tap, taps in row-major order, offset groups outermost. ``offset_groups`` is inferred from the
+            channel count; ``Cin`` must be divisible by it.
+        weight (Tensor[Cout, Cin / groups, kh, kw]): convolution weights; ``groups = Cin // weight.shape[1]``.
+        bias (Tensor[Cout], optional): added to every output position. Default: ``None``.
+        stride (int or Tuple[int, int]): distance between output positions. Default: 1.
+        padding (int or Tuple[int, int]): implicit zero padding on both sides. Default: 0.
+        dilation (int or Tuple[int, int]): spacing between kernel taps. Default: 1.
+        mask (Tensor[N, offset_groups * kh * kw, Ho, Wo], optional): modulation of each sample (DCNv2).
+            Default: ``None`` (DCNv1, all ones).
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"`` to force an implementation;
+            ``None`` picks the fastest one that supports the device and dtype (environment variable
+            ``DEFORMCONV_BACKEND`` overrides the automatic choice). Default: ``None``.
+
+    Returns:
+        Tensor[N, Cout, Ho, Wo]: in input's dtype and memory format, where
+        ``Ho = (H + 2*pad_h - dil_h*(kh-1) - 1) // stride_h + 1`` (likewise ``Wo``).
+
+    Half-precision inputs accumulate in float32. All five gradients (input, offset, mask, weight, bias)
+    are supported; only the required ones are computed.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> x = torch.randn(2, 8, 10, 12)
+        >>> w = torch.randn(16, 8, 3, 3)
+        >>> offset = torch.randn(2, 2 * 3 * 3, 10, 12)
+        >>> mask = torch.rand(2, 3 * 3, 10, 12)
+        >>> out = deformconv.deform_conv2d(x, offset, w, padding=1, mask=mask)
+        >>> out.shape
+        torch.Size([2, 16, 10, 12])
+    """
+    autocasting = torch.is_autocast_enabled(input.device.type) if isinstance(input, Tensor) else False
+    geo = check_deform_conv2d_args(
+        input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocasting
+    )
+    if backend is not None:
+        get_backend(backend)  # unknown names fail here, with the list of known ones
+    return torch.ops.deformconv.deform_conv2d(
+        input, offset, weight, bias, mask, list(geo.stride), list(geo.padding), list(geo.dilation), backend or ""
+    )

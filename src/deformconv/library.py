@@ -1,0 +1,164 @@
+"""The ``deformconv::deform_conv2d`` operator: torch.library registration of the forward op, its backward
+op, their fake (meta) implementations, the autograd formula and the autocast rule.
+
+Both ops take ``backend`` (a name, or "" for automatic) and pick their implementation at run time through
+:mod:`deformconv.backends`, so torch.compile and torch.export see one opaque op and no graph break.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .backends import get_backend, select_backend
+from .checks import geometry_from_tensors, suggest_memory_format
+
+
+def _backend_for(t: Tensor, requested: str):
+    return get_backend(select_backend(t.device, t.dtype, requested or None))
+
+
+# --- forward op ----------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("deformconv::deform_conv2d", mutates_args=())
+def deform_conv2d_op(
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    bias: Optional[Tensor],
+    mask: Optional[Tensor],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    backend: str,
+) -> Tensor:
+    if input.shape[0] == 0:
+        return _empty_output(input, offset, weight, stride, padding, dilation)
+    impl = _backend_for(input, backend)
+    return impl.forward(input, offset, weight, bias, mask, stride, padding, dilation)
+
+
+def _empty_output(input, offset, weight, stride, padding, dilation) -> Tensor:
+    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+    return input.new_empty(
+        (geo.batch, geo.out_channels, geo.out_h, geo.out_w), memory_format=suggest_memory_format(input)
+    )
+
+
+@deform_conv2d_op.register_fake
+def _(input, offset, weight, bias, mask, stride, padding, dilation, backend):
+    return _empty_output(input, offset, weight, stride, padding, dilation)
+
+
+# --- backward op ---------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("deformconv::deform_conv2d_backward", mutates_args=())
+def deform_conv2d_backward_op(
+    grad_out: Tensor,
+    input: Tensor,
+    offset: Tensor,
+    weight: Tensor,
+    mask: Optional[Tensor],
+    stride: List[int],
+    padding: List[int],
+    dilation: List[int],
+    needs: List[bool],
+    backend: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients (input, offset, mask, weight, bias). One that ``needs`` does not ask for (or grad_mask
+    without a mask) comes back as an empty tensor."""
+    if input.shape[0] == 0:
+        grads = _zero_grads(input, offset, weight, mask, grad_out)
+    else:
+        impl = _backend_for(input, backend)
+        grads = impl.backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs)
+    empty = input.new_empty(0)
+    return tuple(g if (g is not None and need) else empty for g, need in zip(grads, needs))  # type: ignore[return-value]
+
+
+def _zero_grads(input, offset, weight, mask, grad_out):
+    return (
+        torch.zeros_like(input), torch.zeros_like(offset), None if mask is None else torch.zeros_like(mask),
+        torch.zeros_like(weight), grad_out.new_zeros(weight.shape[0], dtype=weight.dtype),
+    )
+
+
+@deform_conv2d_backward_op.register_fake
+def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend):
+    def like(t: Optional[Tensor], need: bool) -> Tensor:
+        if t is None or not need:
+            return input.new_empty(0)
+        return t.new_empty(t.shape, memory_format=suggest_memory_format(t))
+
+    need_in, need_off, need_mask, need_w, need_b = needs
+    grad_b = weight.new_empty(weight.shape[0]) if need_b else input.new_empty(0)
+    return like(input, need_in), like(offset, need_off), like(mask, need_mask), like(weight, need_w), grad_b
+
+
+# --- autograd ------------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs, output):
+    input, offset, weight, bias, mask, stride, padding, dilation, backend = inputs
+    ctx.save_for_backward(input, offset, weight, mask)
+    ctx.has_bias = bias is not None
+    ctx.has_mask = mask is not None
+    ctx.params = (stride, padding, dilation, backend)
+
+
+def _backward(ctx, grad_out):
+    input, offset, weight, mask = ctx.saved_tensors
+    stride, padding, dilation, backend = ctx.params
+    n_in, n_off, n_w, n_b, n_mask = ctx.needs_input_grad[:5]
+    needs = [bool(n_in), bool(n_off), bool(n_mask and ctx.has_mask), bool(n_w), bool(n_b and ctx.has_bias)]
+    if not any(needs):
+        return (None,) * 9
+    g_in, g_off, g_mask, g_w, g_b = deform_conv2d_backward_op(
+        grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend
+    )
+    pick = lambda g, need: g if need else None  # noqa: E731
+    return (
+        pick(g_in, needs[0]), pick(g_off, needs[1]), pick(g_w, needs[3]), pick(g_b, needs[4]),
+        pick(g_mask, needs[2]), None, None, None, None,
+    )
+
+
+deform_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- autocast ------------------------------------------------------------------------------------------
+# Under autocast the op runs natively in the autocast dtype (float16 or bfloat16): every floating input
+# other than float64 is cast to it. torch.library.register_autocast fixes one dtype at registration;
+# this rule reads the active one.
+
+_lib = torch.library.Library("deformconv", "FRAGMENT")
+
+
+def _autocast_rule(device_type: str):
+    key = torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(device_type)]
+
+    def kernel(_keyset, *args):
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(v):
+            if isinstance(v, Tensor) and v.is_floating_point() and v.device.type == device_type and v.dtype != torch.float64:
+                return v.to(dtype)
+            return v
+
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
+            return torch.ops.deformconv.deform_conv2d.default(*(cast(a) for a in args))
+
+    return kernel
+
+
+for _device_type in ("cuda", "cpu"):
+    _lib.impl(
+        "deform_conv2d",
+        _autocast_rule(_device_type),
+        "Autocast" + torch._C._dispatch_key_for_device(_device_type),
+        with_keyset=True,
+    )

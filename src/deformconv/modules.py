@@ -1,0 +1,219 @@
+"""nn.Modules: ``DeformConv2d`` (torchvision's parameters and keys) and the ``*Pack`` layers that learn
+their own offsets (and mask) with a zero-initialised ``conv_offset`` (mmcv's keys)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from .checks import IntPair, pair
+from .functional import deform_conv2d
+
+
+class DeformConv2d(nn.Module):
+    r"""Deformable convolution with externally supplied offsets (and optional mask).
+
+    Parameter names and initialisation match :class:`torchvision.ops.DeformConv2d`, so its state_dict loads.
+
+    Args:
+        in_channels (int): channels of the input, ``Cin``.
+        out_channels (int): channels of the output, ``Cout``.
+        kernel_size (int or Tuple[int, int]): ``(kh, kw)``.
+        stride (int or Tuple[int, int]): Default: 1.
+        padding (int or Tuple[int, int]): Default: 0.
+        dilation (int or Tuple[int, int]): Default: 1.
+        groups (int): blocked connections from input to output channels. Default: 1.
+        bias (bool): learn an additive bias. Default: ``True``.
+
+    Shape:
+        - input: ``[N, Cin, H, W]``
+        - offset: ``[N, 2 * offset_groups * kh * kw, Ho, Wo]`` with ``(dy, dx)`` per tap
+        - mask: ``[N, offset_groups * kh * kw, Ho, Wo]`` or ``None``
+        - output: ``[N, Cout, Ho, Wo]``
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> conv = deformconv.DeformConv2d(4, 8, 3, padding=1)
+        >>> x = torch.randn(1, 4, 9, 9)
+        >>> conv(x, torch.zeros(1, 18, 9, 9)).shape
+        torch.Size([1, 8, 9, 9])
+    """
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: IntPair,
+        stride: IntPair = 1,
+        padding: IntPair = 0,
+        dilation: IntPair = 1,
+        groups: int = 1,
+        bias: bool = True,
+    ):
+        super().__init__()
+        if in_channels <= 0 or in_channels % groups != 0:
+            raise ValueError(f"in_channels must be a positive multiple of groups ({groups}), got {in_channels}")
+        if out_channels <= 0 or out_channels % groups != 0:
+            raise ValueError(f"out_channels must be a positive multiple of groups ({groups}), got {out_channels}")
+        self.in_channels = in_channels
+        self.out_channels = out_channels
+        self.kernel_size = pair(kernel_size, "kernel_size")
+        self.stride = pair(stride, "stride")
+        self.padding = pair(padding, "padding")
+        self.dilation = pair(dilation, "dilation")
+        self.groups = groups
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *self.kernel_size))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_channels))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            fan_in = self.weight.shape[1] * self.weight.shape[2] * self.weight.shape[3]
+            bound = 1 / math.sqrt(fan_in)
+            nn.init.uniform_(self.bias, -bound, bound)
+
+    def forward(self, input: Tensor, offset: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        return deform_conv2d(
+            input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask
+        )
+
+    def extra_repr(self) -> str:
+        s = (
+            f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+            f", padding={self.padding}, dilation={self.dilation}"
+        )
+        if self.groups != 1:
+            s += f", groups={self.groups}"
+        if self.bias is None:
+            s += ", bias=False"
+        return s
+
+
+class _PackBase(DeformConv2d):
+    """A DeformConv2d with its own ``conv_offset``: a plain conv of the same geometry that predicts
+    ``channels_per_tap`` values per tap and offset group from the input, initialised to zero."""
+
+    channels_per_tap = 2
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: IntPair,
+        stride: IntPair = 1,
+        padding: IntPair = 0,
+        dilation: IntPair = 1,
+        groups: int = 1,
+        offset_groups: int = 1,
+        bias: bool = True,
+        *,
+        deform_groups: Optional[int] = None,
+    ):
+        super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
+        if deform_groups is not None:
+            offset_groups = deform_groups
+        if offset_groups <= 0 or in_channels % offset_groups != 0:
+            raise ValueError(
+                f"in_channels ({in_channels}) must be divisible by offset_groups, got offset_groups={offset_groups}"
+            )
+        self.offset_groups = offset_groups
+        kh, kw = self.kernel_size
+        self.conv_offset = nn.Conv2d(
+            in_channels,
+            offset_groups * self.channels_per_tap * kh * kw,
+            self.kernel_size,
+            stride=self.stride,
+            padding=self.padding,
+            dilation=self.dilation,
+            bias=True,
+        )
+        self.init_offset()
+
+    @property
+    def deform_groups(self) -> int:  # mmcv's name
+        return self.offset_groups
+
+    def init_offset(self) -> None:
+        """Zero the offset conv, so that a fresh layer samples the regular grid."""
+        nn.init.zeros_(self.conv_offset.weight)
+        nn.init.zeros_(self.conv_offset.bias)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Older DCNv2 code names the offset conv `conv_offset_mask`.
+        for suffix in ("weight", "bias"):
+            old = f"{prefix}conv_offset_mask.{suffix}"
+            if old in state_dict:
+                state_dict[f"{prefix}conv_offset.{suffix}"] = state_dict.pop(old)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", offset_groups={self.offset_groups}" if self.offset_groups != 1 else "")
+
+
+class DeformConv2dPack(_PackBase):
+    r"""DCNv1 layer that learns its offsets: ``offset = conv_offset(input)``.
+
+    Args: as :class:`DeformConv2d`, plus ``offset_groups`` (int, alias ``deform_groups`` as in mmcv):
+    how many independent offset fields the input channels are split into. Default: 1.
+    ``conv_offset`` is a ``Conv2d(in_channels, 2 * offset_groups * kh * kw)`` with the layer's kernel size,
+    stride, padding and dilation, initialised to zero: at initialisation the layer is a plain convolution.
+    State-dict keys are mmcv's: ``weight``, ``bias``, ``conv_offset.weight``, ``conv_offset.bias``.
+
+    Shape:
+        - input: ``[N, Cin, H, W]``; output: ``[N, Cout, Ho, Wo]``
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> layer = deformconv.DeformConv2dPack(4, 8, 3, padding=1)
+        >>> layer(torch.randn(2, 4, 7, 7)).shape
+        torch.Size([2, 8, 7, 7])
+    """
+
+    channels_per_tap = 2
+
+    def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
+        offset = self.conv_offset(input)
+        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation)
+
+
+class ModulatedDeformConv2dPack(_PackBase):
+    r"""DCNv2 layer that learns its offsets and modulation mask from the input.
+
+    ``conv_offset`` predicts ``3 * offset_groups * kh * kw`` channels: the first ``2 * offset_groups * kh * kw``
+    are the offsets (``(dy, dx)`` per tap), the rest pass through a sigmoid to give the mask. Zero-initialised,
+    so a fresh layer is a plain convolution with every sample weighted 0.5 (the DCNv2 recipe). Keys as
+    mmcv's ``ModulatedDeformConv2dPack``.
+
+    Args: as :class:`DeformConv2dPack`.
+
+    Shape:
+        - input: ``[N, Cin, H, W]``; output: ``[N, Cout, Ho, Wo]``
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> layer = deformconv.ModulatedDeformConv2dPack(4, 8, 3, padding=1)
+        >>> layer(torch.randn(2, 4, 7, 7)).shape
+        torch.Size([2, 8, 7, 7])
+    """
+
+    channels_per_tap = 3
+
+    def offset_and_mask(self, input: Tensor) -> Tuple[Tensor, Tensor]:
+        """The learned ``(offset, mask)`` for this input."""
+        out = self.conv_offset(input)
+        n_off = 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
+        return out[:, :n_off], torch.sigmoid(out[:, n_off:])
+
+    def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
+        offset, mask = self.offset_and_mask(input)
+        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask)

@@ -1,0 +1,568 @@
+"""The Triton backend: fused implicit-GEMM deformable convolution, forward and backward.
+
+GEMM view per convolution group: M = N*Ho*Wo output positions, N = Cout/groups, K = (Cin/groups)*kh*kw.
+The K loop runs over taps, then over *segments* (runs of channels that share one conv group and one offset
+group: length SEG = gcd(Cin/groups, Cin/offset_groups)), then over channel chunks of BLOCK_K. Each
+position's sample point, bilinear corners and weights (x mask) are computed once per (tap, segment) in
+fp32 and reused for every channel chunk; the sampled A tile goes straight from registers into tl.dot, so
+no (Cin*kh*kw) x (N*Ho*Wo) column buffer ever exists.
+
+Layouts: the input is read channels-last (NHWC), so each bilinear corner is a contiguous run of channels;
+offset and mask are read NCHW (consecutive positions are consecutive addresses); the weight is repacked
+once per call to [groups, kh*kw, Cin/groups, Cout/groups] (tap-major B rows). Offsets into the input and
+gradient buffers are int64.
+
+This file reads top-down: configs/heuristics -> @triton.jit kernels -> launchers -> nothing else (the
+torch.library glue is in deformconv/library.py, the dispatch in deformconv/backends.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
+
+# --- configs and heuristics ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int = 2
+
+
+def _pow2_clamp(x: int, lo: int, hi: int) -> int:
+    return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
+
+
+def segment_length(geo: ConvGeometry) -> int:
+    """Channels per segment: the longest run that lies in one conv group and one offset group."""
+    return math.gcd(geo.in_channels // geo.groups, geo.in_channels // geo.offset_groups)
+
+
+def _fwd_candidates(geo: ConvGeometry, seg: int) -> List[Config]:
+    cout_g = geo.out_channels // geo.groups
+    bk = _pow2_clamp(seg, 16, 64)
+    bn = _pow2_clamp(cout_g, 16, 128)
+    cands = [Config(128, bn, bk, 8 if bn >= 128 else 4), Config(64, bn, bk, 4)]
+    if cout_g >= 256:
+        cands.append(Config(128, 256, bk, 8))
+    if bk == 64:
+        cands.append(Config(128, bn, 32, 4))
+    return cands
+
+
+def _bwd_data_config(geo: ConvGeometry, seg: int) -> Config:
+    cout_g = geo.out_channels // geo.groups
+    return Config(64, _pow2_clamp(cout_g, 16, 64), _pow2_clamp(seg, 16, 64), 4)
+
+
+def _bwd_weight_config(geo: ConvGeometry, seg: int) -> Config:
+    cout_g = geo.out_channels // geo.groups
+    return Config(64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(seg, 16, 64), 4)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use TF32 exactly where F.conv2d would (cudnn.allow_tf32), else full fp32."""
+    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+_TUNED: Dict[tuple, Config] = {}
+
+
+def _pick_config(key: tuple, candidates: List[Config], launch, device: torch.device) -> Config:
+    """The fastest of a handful of candidates, timed once per shape class on CUDA, then cached."""
+    if key in _TUNED:
+        return _TUNED[key]
+    if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return candidates[0]
+    from triton.testing import do_bench
+
+    best, best_ms = candidates[0], float("inf")
+    for cfg in candidates:
+        try:
+            ms = do_bench(lambda: launch(cfg), warmup=5, rep=15, return_mode="median")
+        except Exception:  # a candidate that does not fit this GPU (e.g. out of shared memory)
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    _TUNED[key] = best
+    return best
+
+
+# --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sample_point(
+    off_ptr, msk_ptr,      # offset [N, 2*G*KK, Ho, Wo] and mask [N, G*KK, Ho, Wo], NCHW
+    off_row, msk_row,      # int64 [BM]: element offset of (n, channel 0, ho, wo) in offset / mask
+    ch, L,                 # channel (= offset group * KK + tap), Ho*Wo
+    y_ref, x_ref,          # fp32 [BM]: the regular (undeformed) sample point
+    pix_base, H, W, CIN,   # int64 [BM] offset of image n in the NHWC input; input sizes
+    m_valid,               # bool [BM]
+    HAS_MASK: tl.constexpr,
+):
+    """Sample point of one tap and offset group: the element offset of its top-left corner (y0, x0) in
+    the NHWC input, which of the 4 corners lie inside the image, the fractions (ly, lx) and the mask."""
+    dy = tl.load(off_ptr + off_row + (2 * ch) * L, mask=m_valid, other=0.0).to(tl.float32)
+    dx = tl.load(off_ptr + off_row + (2 * ch + 1) * L, mask=m_valid, other=0.0).to(tl.float32)
+    y = y_ref + dy
+    x = x_ref + dx
+    inside = m_valid & (y > -1.0) & (y < H) & (x > -1.0) & (x < W)
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    ly = y - y0f
+    lx = x - x0f
+    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
+    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * CIN
+    if HAS_MASK:
+        mv = tl.load(msk_ptr + msk_row + ch * L, mask=m_valid, other=0.0).to(tl.float32)
+    else:
+        mv = tl.full(ly.shape, 1.0, tl.float32)
+    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+
+
+@triton.jit
+def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
+    """The 4 bilinear corners [BM, BK] (fp32, zero outside the image) of channels cc."""
+    ptrs = ptr + p00[:, None] + cc[None, :]
+    row = W * CIN
+    if EVEN_K:
+        c00 = tl.load(ptrs, mask=v00[:, None], other=0.0)
+        c01 = tl.load(ptrs + CIN, mask=v01[:, None], other=0.0)
+        c10 = tl.load(ptrs + row, mask=v10[:, None], other=0.0)
+        c11 = tl.load(ptrs + row + CIN, mask=v11[:, None], other=0.0)
+    else:
+        c00 = tl.load(ptrs, mask=v00[:, None] & k_ok[None, :], other=0.0)
+        c01 = tl.load(ptrs + CIN, mask=v01[:, None] & k_ok[None, :], other=0.0)
+        c10 = tl.load(ptrs + row, mask=v10[:, None] & k_ok[None, :], other=0.0)
+        c11 = tl.load(ptrs + row + CIN, mask=v11[:, None] & k_ok[None, :], other=0.0)
+    return c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+
+
+@triton.jit
+def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M: tl.constexpr):
+    """Per output position of this M tile: validity, image index, l = ho*Wo + wo, the NHWC image base,
+    the offset/mask row bases and the undeformed top-left sample point."""
+    L = HO * WO
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_valid = offs_m < M
+    n_img = (offs_m // L).to(tl.int64)
+    l = offs_m % L
+    ho = l // WO
+    wo = l % WO
+    pix_base = n_img * H * W * CIN
+    off_row = n_img * (2 * G * KK) * L + l
+    msk_row = n_img * (G * KK) * L + l
+    y_out = (ho * STRIDE_H - PAD_H).to(tl.float32)
+    x_out = (wo * STRIDE_W - PAD_W).to(tl.float32)
+    return m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out
+
+
+@triton.jit
+def _deform_conv2d_fwd_kernel(
+    # pointers
+    x_ptr,        # input  NHWC [N, H, W, Cin]
+    off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
+    b_ptr,        # bias [Cout]                              (read only if HAS_BIAS)
+    out_ptr,      # output [N, Cout, Ho, Wo], strides below
+    # sizes
+    H, W, CIN, HO, WO, M,              # M = N*Ho*Wo
+    CIN_G, COUT_G, SEG, COG, G,        # channels per conv group / segment / offset group; offset groups
+    # geometry
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+    # output strides in elements: image, position l = ho*Wo + wo, channel
+    out_sn, out_sl, out_sc,
+    # meta
+    KH: tl.constexpr, KW: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
+    # --- which tile ---
+    pid = tl.program_id(0)
+    gc = tl.program_id(1)
+    num_n = tl.cdiv(COUT_G, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    KK: tl.constexpr = KH * KW
+    m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+    L = HO * WO
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < COUT_G
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+
+    # --- K loop: taps x segments x channel chunks ---
+    for tap in range(KK):
+        i = tap // KW
+        j = tap - i * KW
+        y_ref = y_out + (i * DIL_H).to(tl.float32)
+        x_ref = x_out + (j * DIL_W).to(tl.float32)
+        for s in range(CIN_G // SEG):
+            c_lo = gc * CIN_G + s * SEG
+            ch = (c_lo // COG) * KK + tap
+            p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+            w00 = (1.0 - ly) * (1.0 - lx) * mv
+            w01 = (1.0 - ly) * lx * mv
+            w10 = ly * (1.0 - lx) * mv
+            w11 = ly * lx * mv
+            w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
+            for c0 in range(0, SEG, BLOCK_K):
+                k_ok = c0 + offs_k < SEG
+                c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+                a = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                b_ptrs = w_ptr + (w_row + c0 + offs_k)[:, None] * COUT_G + offs_n[None, :]
+                if EVEN_K:
+                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                else:
+                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+
+    # --- epilogue: bias, store in the output's layout ---
+    co = gc * COUT_G + offs_n
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + co, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out_ptr + (n_img * out_sn + l * out_sl)[:, None] + (co * out_sc)[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _deform_conv2d_bwd_data_kernel(
+    # pointers
+    x_ptr,        # input  NHWC [N, H, W, Cin]
+    off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
+    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
+    gin_ptr,      # grad_input fp32 NHWC [N, H, W, Cin], zeroed (atomic adds; if NEED_GIN)
+    goff_ptr,     # grad_offset NCHW like offset (if NEED_GOFF)
+    gmsk_ptr,     # grad_mask NCHW like mask (if NEED_GMSK)
+    # sizes
+    H, W, CIN, HO, WO, M,
+    CIN_G, COUT_G, SEG, COG, G,
+    # geometry
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+    # grad_out strides in elements: image, position, channel
+    go_sn, go_sl, go_sc,
+    # meta
+    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr,
+    NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Per M tile: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it to the 4
+    corners of grad_input (atomics) and reduce it over channels into grad_offset and grad_mask (each
+    (position, tap, offset group) is owned by one program: plain stores). Grid: (M tiles,)."""
+    # --- which tile ---
+    pid_m = tl.program_id(0)
+    KK: tl.constexpr = KH * KW
+    m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+    L = HO * WO
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    go_row = n_img * go_sn + l * go_sl
+
+    for tap in range(KK):
+        i = tap // KW
+        j = tap - i * KW
+        y_ref = y_out + (i * DIL_H).to(tl.float32)
+        x_ref = x_out + (j * DIL_W).to(tl.float32)
+        for og in range(G):
+            ch = og * KK + tap
+            p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+            hy = 1.0 - ly
+            hx = 1.0 - lx
+            g_y = tl.zeros_like(ly)
+            g_x = tl.zeros_like(ly)
+            g_m = tl.zeros_like(ly)
+            for s in range(COG // SEG):
+                c_lo = og * COG + s * SEG
+                gc = c_lo // CIN_G
+                w_row = ((gc * KK + tap) * CIN_G + (c_lo - gc * CIN_G)).to(tl.int64)
+                for c0 in range(0, SEG, BLOCK_K):
+                    k_ok = c0 + offs_k < SEG
+                    cc = c_lo + c0 + offs_k
+                    # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
+                    gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+                    for n0 in range(0, COUT_G, BLOCK_N):
+                        n_ok = n0 + offs_n < COUT_G
+                        go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n) * go_sc)[None, :],
+                                     mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+                        wt = tl.load(w_ptr + (w_row + c0 + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
+                                     mask=k_ok[None, :] & n_ok[:, None], other=0.0)
+                        gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
+                    # --- corners, reductions over channels, scatter ---
+                    c00, c01, c10, c11 = _load_corners(x_ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+                    if NEED_GMSK:
+                        val = (hy * hx)[:, None] * c00 + (hy * lx)[:, None] * c01 + (ly * hx)[:, None] * c10 + (ly * lx)[:, None] * c11
+                        g_m += tl.sum(gcol * val, axis=1)
+                    gval = gcol * mv[:, None]
+                    if NEED_GOFF:
+                        g_y += tl.sum(gval * (hx[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+                        g_x += tl.sum(gval * (hy[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                    if NEED_GIN:
+                        ptrs = gin_ptr + p00[:, None] + cc[None, :]
+                        row = W * CIN
+                        tl.atomic_add(ptrs, gval * (hy * hx)[:, None], mask=v00[:, None] & k_ok[None, :], sem="relaxed")
+                        tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, None], mask=v01[:, None] & k_ok[None, :], sem="relaxed")
+                        tl.atomic_add(ptrs + row, gval * (ly * hx)[:, None], mask=v10[:, None] & k_ok[None, :], sem="relaxed")
+                        tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, None], mask=v11[:, None] & k_ok[None, :], sem="relaxed")
+            # --- this (tap, offset group) is complete: store its offset and mask gradients ---
+            if NEED_GOFF:
+                tl.store(goff_ptr + off_row + (2 * ch) * L, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                tl.store(goff_ptr + off_row + (2 * ch + 1) * L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
+            if NEED_GMSK:
+                tl.store(gmsk_ptr + msk_row + ch * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
+
+
+@triton.jit
+def _deform_conv2d_bwd_weight_kernel(
+    # pointers
+    x_ptr,        # input  NHWC [N, H, W, Cin]
+    off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
+    gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
+    # sizes
+    H, W, CIN, HO, WO, M,
+    CIN_G, COUT_G, SEG, COG, G, GROUPS, SPLIT,
+    # geometry
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+    # grad_out strides in elements: image, position, channel
+    go_sn, go_sl, go_sc,
+    # meta
+    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward.
+    Split-M: program (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in
+    a fixed order. Grid: (groups*KK*segments*K-chunks, N tiles, SPLIT)."""
+    # --- which (conv group, tap, segment, channel chunk), which N tile, which split ---
+    pid_row = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    KK: tl.constexpr = KH * KW
+    n_kb = tl.cdiv(SEG, BLOCK_K)
+    n_seg = CIN_G // SEG
+    kb = pid_row % n_kb
+    r = pid_row // n_kb
+    s = r % n_seg
+    r = r // n_seg
+    tap = r % KK
+    gc = r // KK
+    i = tap // KW
+    j = tap - i * KW
+    c_lo = gc * CIN_G + s * SEG
+    ch = (c_lo // COG) * KK + tap
+    offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    k_ok = offs_k < SEG
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < COUT_G
+    L = HO * WO
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+
+    # --- M loop (this split's share) ---
+    for mb in range(pid_s, tl.cdiv(M, BLOCK_M), SPLIT):
+        m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
+            mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+        y_ref = y_out + (i * DIL_H).to(tl.float32)
+        x_ref = x_out + (j * DIL_W).to(tl.float32)
+        p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+            off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+        c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+        a = (((1.0 - ly) * (1.0 - lx) * mv)[:, None] * c00 + ((1.0 - ly) * lx * mv)[:, None] * c01
+             + (ly * (1.0 - lx) * mv)[:, None] * c10 + (ly * lx * mv)[:, None] * c11)
+        go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n) * go_sc)[None, :],
+                     mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
+
+    # --- store this split's partial sum ---
+    rows = ((gc * KK + tap) * CIN_G + s * SEG + offs_k).to(tl.int64)
+    part = pid_s.to(tl.int64) * GROUPS * KK * CIN_G * COUT_G
+    tl.store(gw_ptr + part + rows[:, None] * COUT_G + offs_n[None, :], acc, mask=k_ok[:, None] & n_ok[None, :])
+
+
+# --- launchers -----------------------------------------------------------------------------------------
+
+
+def _nhwc(t: Tensor) -> Tensor:
+    """The tensor's data in NHWC order (no copy if it already is channels_last)."""
+    return t.contiguous(memory_format=torch.channels_last)
+
+
+def pack_weight(weight: Tensor, groups: int) -> Tensor:
+    """[Cout, Cin_g, kh, kw] -> [groups, kh*kw, Cin_g, Cout_g] contiguous (tap-major rows of the B tile)."""
+    cout, cin_g, kh, kw = weight.shape
+    return weight.reshape(groups, cout // groups, cin_g, kh * kw).permute(0, 3, 2, 1).contiguous()
+
+
+def _unpack_weight_grad(gw: Tensor, weight: Tensor, groups: int) -> Tensor:
+    """Inverse of pack_weight: [groups, kh*kw, Cin_g, Cout_g] -> [Cout, Cin_g, kh, kw]."""
+    cout, cin_g, kh, kw = weight.shape
+    return gw.permute(0, 3, 2, 1).reshape(cout, cin_g, kh, kw)
+
+
+def _nchw_strides(t: Tensor) -> Tuple[int, int, int]:
+    """(image, position, channel) element strides of a [N, C, Ho, Wo] tensor whose (Ho, Wo) are dense."""
+    n_s, c_s, h_s, w_s = t.stride()
+    assert h_s == t.shape[3] * w_s or t.shape[2] == 1, "positions must be dense"
+    return n_s, w_s, c_s
+
+
+def _dense_positions(t: Tensor) -> Tensor:
+    """t itself if its (Ho, Wo) positions are addressable as one index l = ho*Wo + wo, else a copy."""
+    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    return t.contiguous()
+
+
+def _common_args(geo: ConvGeometry, seg: int):
+    return (
+        geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, geo.batch * geo.out_h * geo.out_w,
+        geo.in_channels // geo.groups, geo.out_channels // geo.groups, seg,
+        geo.in_channels // geo.offset_groups, geo.offset_groups,
+    )
+
+
+def _geometry_args(geo: ConvGeometry):
+    return (*geo.stride, *geo.padding, *geo.dilation)
+
+
+def deform_conv2d_forward(
+    input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+) -> Tensor:
+    """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
+    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+    seg = segment_length(geo)
+    x = _nhwc(input)
+    off = offset.contiguous()
+    msk = mask.contiguous() if mask is not None else off
+    wp = pack_weight(weight.to(input.dtype), geo.groups)
+    b = bias.contiguous() if bias is not None else wp
+    out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
+                      memory_format=suggest_memory_format(input))
+    M = geo.batch * geo.out_h * geo.out_w
+    cout_g = geo.out_channels // geo.groups
+
+    def launch(cfg: Config):
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cout_g, cfg.block_n), geo.groups)
+        _deform_conv2d_fwd_kernel[grid](
+            x, off, msk, wp, b, out,
+            *_common_args(geo, seg), *_geometry_args(geo), *_nchw_strides(out),
+            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
+            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=_dot_precision(input.dtype),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = ("fwd", input.dtype, geo.in_channels // geo.groups, cout_g, seg, geo.kernel_h, geo.kernel_w,
+           mask is not None, triton.next_power_of_2(M))
+    cfg = _pick_config(key, _fwd_candidates(geo, seg), launch, input.device)
+    launch(cfg)
+    return out
+
+
+def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
+    """Split-M factor for grad_weight: enough programs to fill the GPU, at least 4 M tiles each."""
+    m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(3 * sms, max(tiles, 1))
+    return max(1, min(want, m_tiles // 4 if m_tiles >= 8 else 1, 64))
+
+
+def deform_conv2d_backward(
+    grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
+):
+    """Gradients (input, offset, mask, weight, bias), None where not needed. Under
+    torch.use_deterministic_algorithms(True) grad_input avoids float atomics (see README: slower)."""
+    need_in, need_off, need_mask, need_w, need_b = needs
+    need_mask = bool(need_mask and mask is not None)
+    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+    seg = segment_length(geo)
+    x = _nhwc(input)
+    off = offset.contiguous()
+    msk = mask.contiguous() if mask is not None else off
+    go = _dense_positions(grad_out.to(input.dtype))
+    wp = pack_weight(weight.to(input.dtype), geo.groups)
+    M = geo.batch * geo.out_h * geo.out_w
+    cout_g = geo.out_channels // geo.groups
+    prec = _dot_precision(input.dtype)
+    common = (*_common_args(geo, seg), *_geometry_args(geo), *_nchw_strides(go))
+
+    grad_in = grad_off = grad_mask = grad_w = grad_b = None
+    deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
+    atomic_gin = need_in and not deterministic
+    if atomic_gin or need_off or need_mask:
+        cfg = _bwd_data_config(geo, seg)
+        gin = torch.zeros((geo.batch, geo.height, geo.width, geo.in_channels), dtype=torch.float32,
+                          device=input.device) if atomic_gin else off
+        goff = torch.empty_like(off) if need_off else off
+        gmsk = torch.empty_like(msk) if need_mask else off
+        _deform_conv2d_bwd_data_kernel[(triton.cdiv(M, cfg.block_m),)](
+            x, off, msk, wp, go, gin, goff, gmsk, *common,
+            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None,
+            NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask,
+            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=prec,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        if atomic_gin:
+            # gin holds NHWC data: view it as [N, C, H, W] channels_last, then match input's layout.
+            grad_in = gin.permute(0, 3, 1, 2).to(input.dtype).contiguous(memory_format=suggest_memory_format(input))
+        grad_off = goff if need_off else None
+        grad_mask = gmsk if need_mask else None
+    if need_in and deterministic:
+        from . import reference
+
+        grad_in = reference.deform_conv2d_backward(
+            grad_out, input, offset, weight, mask, stride, padding, dilation, (True, False, False, False, False)
+        )[0]
+    if need_w:
+        cfg = _bwd_weight_config(geo, seg)
+        rows = geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, cfg.block_k)
+        n_tiles = triton.cdiv(cout_g, cfg.block_n)
+        split = _split_for(geo, rows * n_tiles, cfg.block_m, input.device)
+        part = torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
+                           dtype=torch.float32, device=input.device)
+        _deform_conv2d_bwd_weight_kernel[(rows, n_tiles, split)](
+            x, off, msk, go, part,
+            *common[:11], geo.groups, split, *common[11:],
+            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None,
+            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=prec,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups).to(weight.dtype).contiguous(
+            memory_format=suggest_memory_format(weight))
+    if need_b:
+        grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
+    return grad_in, grad_off, grad_mask, grad_w, grad_b
