@@ -43,8 +43,9 @@ def deform_conv2d_op(
 
 def _empty_output(input, offset, weight, stride, padding, dilation) -> Tensor:
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-    return input.new_empty(
-        (geo.batch, geo.out_channels, geo.out_h, geo.out_w), memory_format=suggest_memory_format(input)
+    return torch.empty(
+        (geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
+        memory_format=suggest_memory_format(input),
     )
 
 
@@ -76,8 +77,8 @@ def deform_conv2d_backward_op(
     else:
         impl = _backend_for(input, backend)
         grads = impl.backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs)
-    empty = input.new_empty(0)
-    return tuple(g if (g is not None and need) else empty for g, need in zip(grads, needs))  # type: ignore[return-value]
+    # Each unwanted gradient is its own empty tensor: outputs of a custom op may not alias each other.
+    return tuple(g if (g is not None and need) else input.new_empty(0) for g, need in zip(grads, needs))  # type: ignore[return-value]
 
 
 def _zero_grads(input, offset, weight, mask, grad_out):
@@ -92,7 +93,7 @@ def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, b
     def like(t: Optional[Tensor], need: bool) -> Tensor:
         if t is None or not need:
             return input.new_empty(0)
-        return t.new_empty(t.shape, memory_format=suggest_memory_format(t))
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=suggest_memory_format(t))
 
     need_in, need_off, need_mask, need_w, need_b = needs
     grad_b = weight.new_empty(weight.shape[0]) if need_b else input.new_empty(0)

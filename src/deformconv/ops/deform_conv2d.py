@@ -39,6 +39,7 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int = 2
+    split: int = 1  # grad_weight only: how many programs share the M reduction
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
@@ -50,26 +51,51 @@ def segment_length(geo: ConvGeometry) -> int:
     return math.gcd(geo.in_channels // geo.groups, geo.in_channels // geo.offset_groups)
 
 
+def _unique(cands: List[Config]) -> List[Config]:
+    return list(dict.fromkeys(cands))
+
+
+# Candidates per kernel, best guess first. Each list has at most 4 entries, so that the first call at a new
+# shape class compiles and times a handful of configs (a few seconds), never a sweep.
+
+
 def _fwd_candidates(geo: ConvGeometry, seg: int) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(seg, 16, 64)
     bn = _pow2_clamp(cout_g, 16, 128)
-    cands = [Config(128, bn, bk, 8 if bn >= 128 else 4), Config(64, bn, bk, 4)]
+    cands = [Config(128, bn, min(bk, 32), 4)]
     if cout_g >= 256:
         cands.append(Config(128, 256, bk, 8))
-    if bk == 64:
-        cands.append(Config(128, bn, 32, 4))
-    return cands
+    cands += [Config(128, bn, bk, 4), Config(64, bn, bk, 4)]
+    return _unique(cands)[:4]
 
 
-def _bwd_data_config(geo: ConvGeometry, seg: int) -> Config:
+def _bwd_data_candidates(geo: ConvGeometry, seg: int) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    return Config(64, _pow2_clamp(cout_g, 16, 64), _pow2_clamp(seg, 16, 64), 4)
+    bk = _pow2_clamp(seg, 16, 64)
+    bn = _pow2_clamp(cout_g, 16, 64)
+    return _unique([Config(64, bn, bk, 4), Config(128, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 128), bk, 8),
+                    Config(64, bn, min(bk, 32), 4)])
 
 
-def _bwd_weight_config(geo: ConvGeometry, seg: int) -> Config:
+def _bwd_weight_candidates(geo: ConvGeometry, seg: int, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    return Config(64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(seg, 16, 64), 4)
+    bk = _pow2_clamp(seg, 16, 64)
+    cands = []
+    for bm, bn, kk, warps in ((64, _pow2_clamp(cout_g, 16, 128), bk, 4), (128, _pow2_clamp(cout_g, 16, 128), bk, 8),
+                              (64, _pow2_clamp(cout_g, 16, 256), bk, 8), (64, _pow2_clamp(cout_g, 16, 64), bk, 4)):
+        rows = geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, kk)
+        tiles = rows * triton.cdiv(cout_g, bn)
+        cands.append(Config(bm, bn, kk, warps, split=_split_for(geo, tiles, bm, device)))
+    return _unique(cands)
+
+
+def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
+    """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each."""
+    m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    want = triton.cdiv(3 * sms, max(tiles, 1))
+    return max(1, min(want, m_tiles // 4, 64))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -83,7 +109,8 @@ _TUNED: Dict[tuple, Config] = {}
 
 
 def _pick_config(key: tuple, candidates: List[Config], launch, device: torch.device) -> Config:
-    """The fastest of a handful of candidates, timed once per shape class on CUDA, then cached."""
+    """The fastest of a handful of candidates, timed once per shape class on CUDA, then cached. ``launch``
+    must be safe to repeat (the caller re-initialises any accumulator after the choice)."""
     if key in _TUNED:
         return _TUNED[key]
     if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
@@ -93,7 +120,7 @@ def _pick_config(key: tuple, candidates: List[Config], launch, device: torch.dev
     best, best_ms = candidates[0], float("inf")
     for cfg in candidates:
         try:
-            ms = do_bench(lambda: launch(cfg), warmup=5, rep=15, return_mode="median")
+            ms = do_bench(lambda: launch(cfg), warmup=3, rep=10, return_mode="median")
         except Exception:  # a candidate that does not fit this GPU (e.g. out of shared memory)
             continue
         if ms < best_ms:
@@ -121,7 +148,7 @@ def _sample_point(
     dx = tl.load(off_ptr + off_row + (2 * ch + 1) * L, mask=m_valid, other=0.0).to(tl.float32)
     y = y_ref + dy
     x = x_ref + dx
-    inside = m_valid & (y > -1.0) & (y < H) & (x > -1.0) & (x < W)
+    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)  # y == -1: zero value, one-sided grad
     y0f = tl.floor(y)
     x0f = tl.floor(x)
     ly = y - y0f
@@ -188,13 +215,14 @@ def _deform_conv2d_fwd_kernel(
     out_ptr,      # output [N, Cout, Ho, Wo], strides below
     # sizes
     H, W, CIN, HO, WO, M,              # M = N*Ho*Wo
-    CIN_G, COUT_G, SEG, COG, G,        # channels per conv group / segment / offset group; offset groups
+    CIN_G, COUT_G, COG, G,             # channels per conv group / offset group; offset groups
     # geometry
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
     # output strides in elements: image, position l = ho*Wo + wo, channel
     out_sn, out_sl, out_sc,
     # meta
     KH: tl.constexpr, KW: tl.constexpr,
+    SEG: tl.constexpr,                 # channels per segment (one conv group and one offset group)
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -263,13 +291,13 @@ def _deform_conv2d_bwd_data_kernel(
     gmsk_ptr,     # grad_mask NCHW like mask (if NEED_GMSK)
     # sizes
     H, W, CIN, HO, WO, M,
-    CIN_G, COUT_G, SEG, COG, G,
+    CIN_G, COUT_G, COG, G,
     # geometry
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
     # grad_out strides in elements: image, position, channel
     go_sn, go_sl, go_sc,
     # meta
-    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr,
     NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -351,13 +379,13 @@ def _deform_conv2d_bwd_weight_kernel(
     gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
     # sizes
     H, W, CIN, HO, WO, M,
-    CIN_G, COUT_G, SEG, COG, G, GROUPS, SPLIT,
+    CIN_G, COUT_G, COG, G, GROUPS, SPLIT,
     # geometry
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
     # grad_out strides in elements: image, position, channel
     go_sn, go_sl, go_sc,
     # meta
-    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -409,12 +437,54 @@ def _deform_conv2d_bwd_weight_kernel(
     tl.store(gw_ptr + part + rows[:, None] * COUT_G + offs_n[None, :], acc, mask=k_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _transpose_kernel(
+    src_ptr,      # [N, A, B] contiguous
+    dst_ptr,      # [N, B, A] contiguous (cast to its dtype on store)
+    A, B,
+    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """dst[n, b, a] = src[n, a, b]: NCHW <-> NHWC in one pass (with a dtype cast). Grid: (A tiles, B tiles, N)."""
+    pid_a = tl.program_id(0)
+    pid_b = tl.program_id(1)
+    n = tl.program_id(2).to(tl.int64)
+    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    ok = (offs_a < A)[:, None] & (offs_b < B)[None, :]
+    tile = tl.load(src_ptr + n * A * B + offs_a[:, None] * B + offs_b[None, :], mask=ok)
+    tl.store(dst_ptr + n * A * B + offs_b[None, :] * A + offs_a[:, None], tile.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
 # --- launchers -----------------------------------------------------------------------------------------
 
 
+def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
+    """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype."""
+    grid = (triton.cdiv(a, 64), triton.cdiv(b, 64), src.shape[0])
+    _transpose_kernel[grid](src, out, a, b, BLOCK_A=64, BLOCK_B=64, num_warps=4)
+    return out
+
+
 def _nhwc(t: Tensor) -> Tensor:
-    """The tensor's data in NHWC order (no copy if it already is channels_last)."""
-    return t.contiguous(memory_format=torch.channels_last)
+    """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass."""
+    if t.is_contiguous(memory_format=torch.channels_last):
+        return t
+    t = t.contiguous()
+    if t.device.type != "cuda" or t.numel() == 0:
+        return t.contiguous(memory_format=torch.channels_last)
+    n, c, h, w = t.shape
+    out = torch.empty_like(t, memory_format=torch.channels_last)
+    return _transpose_last(t, c, h * w, out)
+
+
+def _from_nhwc(buf: Tensor, like: Tensor) -> Tensor:
+    """A [N, H, W, C] buffer as a tensor shaped and laid out like ``like`` (its dtype and memory format)."""
+    nchw_view = buf.permute(0, 3, 1, 2)
+    if suggest_memory_format(like) == torch.channels_last or buf.device.type != "cuda":
+        return nchw_view.to(like.dtype).contiguous(memory_format=suggest_memory_format(like))
+    n, h, w, c = buf.shape
+    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
+    return _transpose_last(buf, h * w, c, out)
 
 
 def pack_weight(weight: Tensor, groups: int) -> Tensor:
@@ -429,8 +499,9 @@ def _unpack_weight_grad(gw: Tensor, weight: Tensor, groups: int) -> Tensor:
     return gw.permute(0, 3, 2, 1).reshape(cout, cin_g, kh, kw)
 
 
-def _nchw_strides(t: Tensor) -> Tuple[int, int, int]:
-    """(image, position, channel) element strides of a [N, C, Ho, Wo] tensor whose (Ho, Wo) are dense."""
+def _position_strides(t: Tensor) -> Tuple[int, int, int]:
+    """(image, position, channel) element strides of a [N, C, Ho, Wo] tensor whose positions are dense
+    (l = ho*Wo + wo has one stride): NCHW-contiguous or channels_last."""
     n_s, c_s, h_s, w_s = t.stride()
     assert h_s == t.shape[3] * w_s or t.shape[2] == 1, "positions must be dense"
     return n_s, w_s, c_s
@@ -443,16 +514,20 @@ def _dense_positions(t: Tensor) -> Tensor:
     return t.contiguous()
 
 
-def _common_args(geo: ConvGeometry, seg: int):
+def _sizes(geo: ConvGeometry):
+    """The kernels' runtime size arguments: H, W, CIN, HO, WO, M, CIN_G, COUT_G, COG, G."""
     return (
         geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, geo.batch * geo.out_h * geo.out_w,
-        geo.in_channels // geo.groups, geo.out_channels // geo.groups, seg,
-        geo.in_channels // geo.offset_groups, geo.offset_groups,
+        geo.in_channels // geo.groups, geo.out_channels // geo.groups, geo.in_channels // geo.offset_groups,
+        geo.offset_groups,
     )
 
 
-def _geometry_args(geo: ConvGeometry):
-    return (*geo.stride, *geo.padding, *geo.dilation)
+def _shape_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has_mask: bool) -> tuple:
+    """Tuning cache key: what changes the best config (channels, kernel, segment, dtype, M magnitude)."""
+    m = geo.batch * geo.out_h * geo.out_w
+    return (kind, dtype, geo.in_channels // geo.groups, geo.out_channels // geo.groups, seg, geo.kernel_h,
+            geo.kernel_w, has_mask, triton.next_power_of_2(m), torch.backends.cudnn.allow_tf32)
 
 
 def deform_conv2d_forward(
@@ -460,6 +535,7 @@ def deform_conv2d_forward(
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
+    # --- check and prepare ---
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
     seg = segment_length(geo)
     x = _nhwc(input)
@@ -467,35 +543,27 @@ def deform_conv2d_forward(
     msk = mask.contiguous() if mask is not None else off
     wp = pack_weight(weight.to(input.dtype), geo.groups)
     b = bias.contiguous() if bias is not None else wp
+    # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
                       memory_format=suggest_memory_format(input))
     M = geo.batch * geo.out_h * geo.out_w
     cout_g = geo.out_channels // geo.groups
 
+    # --- launch ---
     def launch(cfg: Config):
         grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cout_g, cfg.block_n), geo.groups)
         _deform_conv2d_fwd_kernel[grid](
             x, off, msk, wp, b, out,
-            *_common_args(geo, seg), *_geometry_args(geo), *_nchw_strides(out),
-            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
+            *_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out),
+            KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
             EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=_dot_precision(input.dtype),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    key = ("fwd", input.dtype, geo.in_channels // geo.groups, cout_g, seg, geo.kernel_h, geo.kernel_w,
-           mask is not None, triton.next_power_of_2(M))
-    cfg = _pick_config(key, _fwd_candidates(geo, seg), launch, input.device)
-    launch(cfg)
+    key = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
+    launch(_pick_config(key, _fwd_candidates(geo, seg), launch, input.device))
     return out
-
-
-def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
-    """Split-M factor for grad_weight: enough programs to fill the GPU, at least 4 M tiles each."""
-    m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    want = triton.cdiv(3 * sms, max(tiles, 1))
-    return max(1, min(want, m_tiles // 4 if m_tiles >= 8 else 1, 64))
 
 
 def deform_conv2d_backward(
@@ -504,6 +572,7 @@ def deform_conv2d_backward(
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. Under
     torch.use_deterministic_algorithms(True) grad_input avoids float atomics (see README: slower)."""
+    # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_mask = bool(need_mask and mask is not None)
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
@@ -515,52 +584,66 @@ def deform_conv2d_backward(
     wp = pack_weight(weight.to(input.dtype), geo.groups)
     M = geo.batch * geo.out_h * geo.out_w
     cout_g = geo.out_channels // geo.groups
-    prec = _dot_precision(input.dtype)
-    common = (*_common_args(geo, seg), *_geometry_args(geo), *_nchw_strides(go))
-
+    meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
+                DOT_PRECISION=_dot_precision(input.dtype))
+    args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
     grad_in = grad_off = grad_mask = grad_w = grad_b = None
     deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
     atomic_gin = need_in and not deterministic
+
+    # --- grad_input (atomics), grad_offset, grad_mask ---
     if atomic_gin or need_off or need_mask:
-        cfg = _bwd_data_config(geo, seg)
-        gin = torch.zeros((geo.batch, geo.height, geo.width, geo.in_channels), dtype=torch.float32,
+        gin = torch.empty((geo.batch, geo.height, geo.width, geo.in_channels), dtype=torch.float32,
                           device=input.device) if atomic_gin else off
         goff = torch.empty_like(off) if need_off else off
         gmsk = torch.empty_like(msk) if need_mask else off
-        _deform_conv2d_bwd_data_kernel[(triton.cdiv(M, cfg.block_m),)](
-            x, off, msk, wp, go, gin, goff, gmsk, *common,
-            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None,
-            NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask,
-            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=prec,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+
+        def launch_data(cfg: Config):
+            _deform_conv2d_bwd_data_kernel[(triton.cdiv(M, cfg.block_m),)](
+                x, off, msk, wp, go, gin, goff, gmsk, *args, **meta,
+                NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask, EVEN_K=seg % cfg.block_k == 0,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+
+        key = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (atomic_gin, need_off, need_mask)
+        cfg = _pick_config(key, _bwd_data_candidates(geo, seg), launch_data, input.device)
         if atomic_gin:
-            # gin holds NHWC data: view it as [N, C, H, W] channels_last, then match input's layout.
-            grad_in = gin.permute(0, 3, 1, 2).to(input.dtype).contiguous(memory_format=suggest_memory_format(input))
+            gin.zero_()  # after any tuning runs, which accumulate into it too
+        launch_data(cfg)
+        if atomic_gin:
+            grad_in = _from_nhwc(gin, input)
         grad_off = goff if need_off else None
         grad_mask = gmsk if need_mask else None
     if need_in and deterministic:
+        # No float atomics: the reference's sorted (deterministic) index_add_ scatter, batch-chunked.
         from . import reference
 
         grad_in = reference.deform_conv2d_backward(
             grad_out, input, offset, weight, mask, stride, padding, dilation, (True, False, False, False, False)
         )[0]
+
+    # --- grad_weight: split-M partial sums, added in a fixed order ---
     if need_w:
-        cfg = _bwd_weight_config(geo, seg)
-        rows = geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, cfg.block_k)
-        n_tiles = triton.cdiv(cout_g, cfg.block_n)
-        split = _split_for(geo, rows * n_tiles, cfg.block_m, input.device)
-        part = torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
-                           dtype=torch.float32, device=input.device)
-        _deform_conv2d_bwd_weight_kernel[(rows, n_tiles, split)](
-            x, off, msk, go, part,
-            *common[:11], geo.groups, split, *common[11:],
-            KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=mask is not None,
-            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=prec,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        n_kb = lambda cfg: geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, cfg.block_k)  # noqa: E731
+        parts = {}
+
+        def launch_weight(cfg: Config):
+            part = parts.get(cfg.split)
+            if part is None:
+                part = parts[cfg.split] = torch.empty(
+                    (cfg.split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g), dtype=torch.float32,
+                    device=input.device)
+            _deform_conv2d_bwd_weight_kernel[(n_kb(cfg), triton.cdiv(cout_g, cfg.block_n), cfg.split)](
+                x, off, msk, go, part, *args[:10], geo.groups, cfg.split, *args[10:], **meta,
+                EVEN_K=seg % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            )
+            return part
+
+        key = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
+        cfg = _pick_config(key, _bwd_weight_candidates(geo, seg, input.device), launch_weight, input.device)
+        part = launch_weight(cfg)
         grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups).to(weight.dtype).contiguous(
             memory_format=suggest_memory_format(weight))
     if need_b:

@@ -10,7 +10,8 @@ sample point is
     x = wo*stride_w - pad_w + j*dil_w + offset[n, 2*(g*kh*kw + i*kw + j) + 1, ho, wo]   (dx)
 
 and the sampled value is bilinear over the 4 integer neighbours, each neighbour outside the image
-counting as zero, and the whole sample zero unless -1 < y < H and -1 < x < W.
+counting as zero, and the whole sample zero unless -1 < y < H and -1 < x < W. Gradients with respect
+to the offsets are the one-sided (right) derivatives of this at integer coordinates, as in torchvision.
 
 Memory: the batch is processed in chunks of ``n_chunk`` samples such that one chunk's column tensor
 (n_chunk * Cin * kh*kw * Ho*Wo elements) holds at most ``COLUMN_BUDGET`` = 2**24 elements (or one sample,
@@ -60,7 +61,9 @@ def _sampling(offset: Tensor, geo: ConvGeometry, ctype: torch.dtype):
     y = base_y + off[:, :, :, 0]
     x = base_x + off[:, :, :, 1]
 
-    inside = (y > -1) & (y < H) & (x > -1) & (x < W)
+    # y == -1 samples zero (its only in-image corner has weight 0) but keeps that corner's one-sided
+    # derivative, as torchvision's offset gradient does.
+    inside = (y >= -1) & (y < H) & (x >= -1) & (x < W)
     y0, x0 = torch.floor(y), torch.floor(x)
     ly, lx = y - y0, x - x0
     hy, hx = 1 - ly, 1 - lx

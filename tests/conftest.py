@@ -1,0 +1,61 @@
+"""Shared test set-up: Triton's interpreter on CPU-only machines, the tolerance table, input makers."""
+
+import os
+
+import pytest
+import torch
+
+# Without a GPU the Triton kernels run in Triton's CPU interpreter. This must be set before the kernels
+# are first imported (deformconv imports them lazily, on the first Triton call).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+
+# (atol, rtol) by dtype of the computation under test, against a float64 oracle. atol is relative to the
+# largest |value| of the expected tensor (so it means the same for outputs and for every gradient).
+TOL = {
+    torch.float64: (1e-10, 1e-10),
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (4e-3, 1e-2),
+    torch.bfloat16: (2e-2, 4e-2),
+}
+
+
+def assert_close(actual, expected, dtype, what=""):
+    """Compare against a float64 oracle with the dtype's tolerance; NaN never passes."""
+    assert actual is not None and expected is not None, what
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    atol, rtol = TOL[dtype]
+    exp = expected.detach().double().cpu()
+    act = actual.detach().double().cpu()
+    assert not torch.isnan(act).any(), f"{what}: NaN in result"
+    scale = max(exp.abs().max().item(), 1e-30) if exp.numel() else 1.0
+    torch.testing.assert_close(act, exp, atol=atol * scale, rtol=rtol, msg=lambda m: f"{what}: {m}")
+
+
+def out_size(size, k, stride, pad, dil):
+    return (size + 2 * pad - (dil * (k - 1) + 1)) // stride + 1
+
+
+def make_case(n, cin, cout, h, w, kh, kw, groups=1, offset_groups=1, stride=1, padding=0, dilation=1,
+              mask="random", dtype=torch.float64, device="cpu", seed=0, offset_scale=2.0, bias=True):
+    """Fresh signed random inputs of one configuration: (args, kwargs) for deform_conv2d."""
+    sh, sw = (stride, stride) if isinstance(stride, int) else stride
+    ph, pw = (padding, padding) if isinstance(padding, int) else padding
+    dh, dw = (dilation, dilation) if isinstance(dilation, int) else dilation
+    ho, wo = out_size(h, kh, sh, ph, dh), out_size(w, kw, sw, pw, dw)
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, scale=1.0: (torch.randn(*s, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)  # noqa: E731
+    x = r(n, cin, h, w)
+    offset = r(n, 2 * offset_groups * kh * kw, ho, wo, scale=offset_scale)
+    weight = r(cout, cin // groups, kh, kw, scale=(cin // groups * kh * kw) ** -0.5)
+    b = r(cout) if bias else None
+    if mask == "random":
+        m = torch.rand(n, offset_groups * kh * kw, ho, wo, generator=g, dtype=torch.float64).to(dtype).to(device)
+    elif mask == "zero":
+        m = torch.zeros(n, offset_groups * kh * kw, ho, wo, dtype=dtype, device=device)
+    else:
+        m = None
+    return (x, offset, weight, b), dict(stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw), mask=m)

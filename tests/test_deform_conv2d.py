@@ -1,0 +1,206 @@
+"""deform_conv2d on the CPU: every backend that can run here (reference; triton under TRITON_INTERPRET=1)
+against an independent naive implementation and against torchvision, forward and all five gradients."""
+
+import random
+
+import pytest
+import torch
+
+import deformconv
+from conftest import assert_close, make_case
+from _naive import naive_deform_conv2d
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def cpu_backends():
+    """(backend, dtype) pairs that run on this machine's CPU."""
+    pairs = [("reference", torch.float64), ("reference", torch.float32)]
+    if not deformconv.not_supported_reasons(torch.device("cpu"), torch.float32)["triton"]:
+        pairs += [("triton", torch.float32), ("triton", torch.float16)]
+    return pairs
+
+
+BACKENDS = [pytest.param(b, d, id=f"{b}-{str(d).split('.')[-1]}") for b, d in cpu_backends()]
+
+# Small named configurations (the naive oracle loops in Python: keep them tiny).
+CONFIGS = {
+    "3x3-pad1": dict(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1),
+    "stride2-dil2": dict(n=1, cin=4, cout=4, h=9, w=8, kh=3, kw=3, stride=2, padding=2, dilation=2),
+    "groups2-og2": dict(n=2, cin=4, cout=6, h=5, w=5, kh=3, kw=3, groups=2, offset_groups=2, padding=1),
+    "nonsquare-og4": dict(n=1, cin=8, cout=4, h=6, w=7, kh=2, kw=3, groups=2, offset_groups=4, stride=(1, 2), padding=(1, 0)),
+    "og3-groups2-segments": dict(n=1, cin=6, cout=4, h=5, w=4, kh=3, kw=3, groups=2, offset_groups=3, padding=1),
+    "1x1-no-mask": dict(n=2, cin=3, cout=5, h=4, w=5, kh=1, kw=1, mask=None),
+    "zero-mask-no-bias": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, mask="zero", bias=False),
+    "far-outside": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, offset_scale=20.0),
+}
+
+GRAD_NAMES = ("input", "offset", "weight", "bias", "mask")
+
+
+def _with_grad(args, kwargs, dtype):
+    """Leaf copies (requires_grad) of the case's tensors in dtype, in GRAD_NAMES order."""
+    x, offset, weight, bias = args
+    tensors = [x, offset, weight, bias, kwargs["mask"]]
+    return [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in tensors]
+
+
+def _run(fn, leaves, kwargs, grad_seed=1):
+    x, offset, weight, bias, mask = leaves
+    out = fn(x, offset, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"],
+             dilation=kwargs["dilation"], mask=mask)
+    g = torch.Generator().manual_seed(grad_seed)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    wrt = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(out, wrt, grad_out)
+    it = iter(grads)
+    return out, [None if t is None else next(it) for t in leaves]
+
+
+def _compare(backend, dtype, leaves64, kwargs, oracle):
+    ours_leaves = [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in leaves64]
+    out, grads = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), ours_leaves, kwargs)
+    # The oracle sees exactly the values we computed on (rounded to dtype), in float64.
+    oracle_leaves = [None if t is None else t.detach().double().requires_grad_(True) for t in ours_leaves]
+    ref_out, ref_grads = _run(oracle, oracle_leaves, kwargs)
+    assert out.dtype == dtype
+    assert_close(out, ref_out, dtype, "output")
+    for name, g, r in zip(GRAD_NAMES, grads, ref_grads):
+        if r is None:
+            assert g is None
+            continue
+        assert_close(g, r, dtype, f"grad_{name}")
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+def test_against_naive(backend, dtype, config):
+    """Forward and every gradient against the naive loops (float64 oracle on the same values)."""
+    args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=hash(config) % 1000)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+
+
+def _random_config(seed):
+    rnd = random.Random(seed)
+    groups = rnd.choice([1, 1, 2, 3])
+    offset_groups = rnd.choice([1, 1, 2, 4])
+    cin = groups * offset_groups * rnd.choice([1, 2, 3])
+    kh, kw = rnd.choice([(3, 3), (1, 1), (2, 3), (3, 1), (5, 5)])
+    cfg = dict(
+        n=rnd.choice([1, 2, 3]), cin=cin, cout=groups * rnd.choice([1, 2, 5]), h=rnd.randint(4, 9),
+        w=rnd.randint(4, 9), kh=kh, kw=kw, groups=groups, offset_groups=offset_groups,
+        stride=(rnd.randint(1, 3), rnd.randint(1, 2)), padding=(rnd.randint(0, 2), rnd.randint(0, 3)),
+        dilation=(rnd.randint(1, 2), rnd.randint(1, 2)), mask=rnd.choice(["random", None, "zero"]),
+        offset_scale=rnd.choice([0.5, 2.0, 8.0]), bias=rnd.choice([True, False]),
+    )
+    # Keep the output non-empty.
+    for size, k, s, p, d in ((cfg["h"], kh, 0, 0, 0), (cfg["w"], kw, 1, 1, 1)):
+        while size + 2 * cfg["padding"][p] - (cfg["dilation"][d] * (k - 1) + 1) < 0:
+            cfg["padding"] = tuple(v + 1 if i == p else v for i, v in enumerate(cfg["padding"]))
+    return cfg
+
+
+RANDOM_SEEDS = list(range(24))
+
+
+def _tv(x, offset, weight, bias, stride, padding, dilation, mask):
+    return torchvision.ops.deform_conv2d(x, offset, weight, bias, stride, padding, dilation, mask)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("seed", RANDOM_SEEDS, ids=[f"rand{s:02d}" for s in RANDOM_SEEDS])
+def test_against_torchvision_random(backend, dtype, seed):
+    """Random stride/padding/dilation/groups/offset groups/kernels/masks against torchvision in float64."""
+    if backend == "triton" and seed % 3:
+        pytest.skip("the Triton interpreter is slow: every third configuration")
+    args, kwargs = make_case(**_random_config(seed), dtype=torch.float64, seed=seed)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _tv)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_integer_offsets_on_pixels_and_borders(backend, dtype):
+    """Offsets that land exactly on pixels, on the border rows/columns, at -1 and H/W, and just inside
+    (-1, 0) and (H-1, H): the bilinear edge cases, forward and gradients, against torchvision."""
+    args, kwargs = make_case(n=2, cin=4, cout=3, h=5, w=6, kh=3, kw=3, padding=1, dtype=torch.float64, seed=7)
+    x, offset, weight, bias = args
+    g = torch.Generator().manual_seed(3)
+    ints = torch.randint(-7, 8, offset.shape, generator=g).double()
+    frac = torch.tensor([0.0, 0.0, 0.0, 0.5, -0.5, 0.25, -0.999])[torch.randint(0, 7, offset.shape, generator=g)].double()
+    offset = ints + frac
+    _compare(backend, dtype, _with_grad((x, offset, weight, bias), kwargs, torch.float64), kwargs, _tv)
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_batch_of_one_and_zero(backend, dtype):
+    args, kwargs = make_case(n=1, cin=4, cout=3, h=5, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=11)
+    out = deformconv.deform_conv2d(*args, **kwargs, backend=backend)
+    assert out.shape == (1, 3, 5, 6)
+    empty_args = [t[:0] if i in (0, 1) else t for i, t in enumerate(args)]
+    mask = kwargs["mask"][:0]
+    x0 = empty_args[0].requires_grad_(True)
+    w = args[2].detach().requires_grad_(True)
+    out0 = deformconv.deform_conv2d(x0, empty_args[1], w, args[3], padding=1, mask=mask, backend=backend)
+    assert out0.shape == (0, 3, 5, 6)
+    out0.sum().backward()
+    assert x0.grad.shape == x0.shape
+    assert torch.equal(w.grad, torch.zeros_like(w))
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_non_contiguous_and_channels_last_inputs(backend, dtype):
+    """Sliced/transposed views and channels_last inputs give the same numbers; the output keeps the
+    input's memory format, as F.conv2d does."""
+    args, kwargs = make_case(n=2, cin=4, cout=3, h=6, w=7, kh=3, kw=3, padding=1, dtype=dtype, seed=5)
+    x, offset, weight, bias = args
+    expected = deformconv.deform_conv2d(*args, **kwargs, backend=backend)
+    x_view = x.transpose(2, 3).contiguous().transpose(2, 3)  # same values, non-contiguous strides
+    off_view = torch.cat([offset, offset], dim=1)[:, : offset.shape[1]]  # sliced channels
+    w_view = weight.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)
+    out = deformconv.deform_conv2d(x_view, off_view, w_view, bias, **kwargs, backend=backend)
+    assert not x_view.is_contiguous() and not off_view.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    x_cl = x.contiguous(memory_format=torch.channels_last)
+    out_cl = deformconv.deform_conv2d(x_cl, offset, weight, bias, **kwargs, backend=backend)
+    assert out_cl.is_contiguous(memory_format=torch.channels_last)
+    atol, rtol = (0, 0) if dtype == torch.float64 else (1e-3, 1e-3)
+    torch.testing.assert_close(out_cl, expected, atol=atol, rtol=rtol)
+
+
+def test_half_inputs_are_computed_in_float32_by_the_reference():
+    """The reference computes float16 in float32 and rounds once: it equals the float64 result rounded."""
+    args, kwargs = make_case(n=2, cin=8, cout=4, h=6, w=6, kh=3, kw=3, padding=1, dtype=torch.float16, seed=2)
+    out = deformconv.deform_conv2d(*args, **kwargs, backend="reference")
+    assert out.dtype == torch.float16
+    args64 = [t.double() for t in args]
+    kw64 = dict(kwargs, mask=kwargs["mask"].double())
+    exact = deformconv.deform_conv2d(*args64, **kw64, backend="reference")
+    torch.testing.assert_close(out.double(), exact.half().double(), atol=1e-3, rtol=2e-3)
+
+
+def test_gradcheck_float64():
+    args, kwargs = make_case(n=1, cin=4, cout=2, h=4, w=5, kh=3, kw=2, groups=2, offset_groups=2, padding=1,
+                             dtype=torch.float64, seed=13)
+    leaves = _with_grad(args, kwargs, torch.float64)
+
+    def fn(x, offset, weight, bias, mask):
+        return deformconv.deform_conv2d(x, offset, weight, bias, kwargs["stride"], kwargs["padding"],
+                                        kwargs["dilation"], mask, backend="reference")
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
+
+
+def test_only_required_gradients_are_computed(monkeypatch):
+    """The backward op is asked only for the gradients autograd needs."""
+    from deformconv.backends import BACKENDS as REGISTRY
+
+    seen = []
+    ref = REGISTRY["reference"]
+    orig = type(ref).backward
+    monkeypatch.setattr(type(ref), "backward", lambda self, *a: seen.append(list(a[-1])) or orig(self, *a))
+    args, kwargs = make_case(n=1, cin=2, cout=2, h=4, w=4, kh=3, kw=3, padding=1, seed=4)
+    x, offset, weight, bias = args
+    w = weight.clone().requires_grad_(True)
+    deformconv.deform_conv2d(x, offset, w, bias, **kwargs, backend="reference").sum().backward()
+    assert seen == [[False, False, False, True, False]]
+    assert w.grad is not None

@@ -1,0 +1,208 @@
+"""The Triton backend on a CUDA GPU (skipped without one): forward and every gradient against the float64
+reference and torchvision, by dtype; poisoned outputs; layouts; int64 indexing; compile/export/autocast;
+deterministic mode; a short training run."""
+
+import pytest
+import torch
+
+import deformconv
+from conftest import HAS_CUDA, assert_close, make_case
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, torch.float16, torch.bfloat16)]
+
+# Realistic and odd shapes: (n, cin, cout, h, w, kh, kw, groups, offset_groups, stride, padding, dilation, mask)
+SHAPES = {
+    "det-like": (2, 64, 64, 33, 47, 3, 3, 1, 1, 1, 1, 1, "random"),
+    "odd-groups-og4-s2-d2": (3, 48, 80, 17, 29, 3, 3, 2, 4, 2, 2, 2, "random"),
+    "1x5-no-mask": (1, 32, 24, 20, 21, 1, 5, 1, 2, 1, (0, 2), 1, None),
+    "wide-256": (2, 256, 128, 14, 15, 3, 3, 1, 1, 1, 1, 1, "random"),
+    "segments-og3-g2": (2, 24, 16, 11, 9, 3, 3, 2, 3, 1, 1, 1, "random"),
+    "5x5-cout-odd": (1, 16, 37, 19, 23, 5, 5, 1, 1, 1, 2, 1, "random"),
+}
+NAMES = ("input", "offset", "weight", "bias", "mask")
+
+
+@pytest.fixture(autouse=True)
+def _strict_fp32():
+    """fp32 comparisons run without TF32 (as F.conv2d with cudnn.allow_tf32 = False)."""
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = old
+
+
+def _poison_allocator(nbytes=1 << 28):
+    """Fill the caching allocator's free memory with NaN so that unwritten output elements show up."""
+    t = torch.full((nbytes // 4,), float("nan"), device="cuda")
+    del t
+
+
+def _case(name, dtype, seed=0, channels_last=False):
+    n, cin, cout, h, w, kh, kw, g, og, s, p, d, mask = SHAPES[name]
+    args, kwargs = make_case(n, cin, cout, h, w, kh, kw, groups=g, offset_groups=og, stride=s, padding=p,
+                             dilation=d, mask=mask, dtype=dtype, device="cuda", seed=seed)
+    if channels_last:
+        args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
+    return args, kwargs
+
+
+def _fwd_bwd(args, kwargs, backend, dtype=None):
+    x, offset, weight, bias = args
+    leaves = [t if t is None else t.detach().to(dtype or t.dtype).requires_grad_(True)
+              for t in (x, offset, weight, bias, kwargs["mask"])]
+    if dtype is not None and args[0].is_contiguous(memory_format=torch.channels_last):
+        leaves[0] = leaves[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    _poison_allocator()
+    out = deformconv.deform_conv2d(*leaves[:4], stride=kwargs["stride"], padding=kwargs["padding"],
+                                   dilation=kwargs["dilation"], mask=leaves[4], backend=backend)
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    gout = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float64).to(out.dtype)
+    wrt = [t for t in leaves if t is not None]
+    _poison_allocator()
+    grads = iter(torch.autograd.grad(out, wrt, gout))
+    return out, [None if t is None else next(grads) for t in leaves]
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_triton_matches_float64_reference(shape, dtype, layout):
+    args, kwargs = _case(shape, dtype, seed=len(shape), channels_last=layout == "channels_last")
+    out, grads = _fwd_bwd(args, kwargs, "triton")
+    ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
+    assert out.dtype == dtype
+    if layout == "channels_last":
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert grads[0].is_contiguous(memory_format=torch.channels_last)
+    assert_close(out, ref, dtype, "output")
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert (g is None) == (r is None)
+        if r is not None:
+            assert_close(g, r, dtype, f"grad_{name}")
+
+
+def test_float64_on_cuda_matches_torchvision():
+    tv = pytest.importorskip("torchvision")
+    args, kwargs = _case("odd-groups-og4-s2-d2", torch.float64, seed=3)
+    out, grads = _fwd_bwd(args, kwargs, None)
+    x, offset, weight, bias = [t.detach().requires_grad_(True) for t in args]
+    mask = kwargs["mask"].detach().requires_grad_(True)
+    ref = tv.ops.deform_conv2d(x, offset, weight, bias, kwargs["stride"], kwargs["padding"], kwargs["dilation"], mask)
+    gen = torch.Generator(device="cuda").manual_seed(99)
+    gout = torch.randn(ref.shape, generator=gen, device="cuda", dtype=torch.float64)
+    ref_grads = torch.autograd.grad(ref, (x, offset, weight, bias, mask), gout)
+    assert_close(out, ref, torch.float64, "output")
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert_close(g, r, torch.float64, f"grad_{name}")
+
+
+def test_tf32_follows_cudnn_flag():
+    """fp32 with cudnn.allow_tf32 on is within TF32 error of the exact result (and not bitwise the ieee one)."""
+    args, kwargs = _case("wide-256", torch.float32, seed=5)
+    exact = deformconv.deform_conv2d(*[t.double() for t in args], **dict(kwargs, mask=kwargs["mask"].double()),
+                                     backend="reference")
+    strict = deformconv.deform_conv2d(*args, **kwargs, backend="triton")
+    torch.backends.cudnn.allow_tf32 = True
+    loose = deformconv.deform_conv2d(*args, **kwargs, backend="triton")
+    rel = lambda a: ((a.double() - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert rel(strict) < 1e-5
+    assert 1e-6 < rel(loose) < 5e-3
+
+
+def test_int64_indexing_large_input():
+    """An input of more than 2**31 elements: the last rows (highest addresses) are right."""
+    n, cin, cout, h, w = 1, 64, 16, 5800, 5800
+    assert n * cin * h * w > 2**31
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, h, w, cin, generator=gen, device="cuda", dtype=torch.float16).permute(0, 3, 1, 2)
+    offset = (torch.rand(n, 18, h, w, generator=gen, device="cuda", dtype=torch.float16) - 0.5)
+    weight = torch.randn(cout, cin, 3, 3, generator=gen, device="cuda", dtype=torch.float16) * 0.05
+    out = deformconv.deform_conv2d(x, offset, weight, padding=1, backend="triton")
+    crop = 24
+    ref = deformconv.deform_conv2d(x[:, :, h - crop:].double(), offset[:, :, h - crop:].double(), weight.double(),
+                                   padding=1, backend="reference")
+    assert_close(out[:, :, h - crop + 4:], ref[:, :, 4:], torch.float16, "last rows")
+
+
+def test_compile_export_and_autocast():
+    layer = deformconv.ModulatedDeformConv2dPack(16, 32, 3, padding=1).cuda()
+    with torch.no_grad():
+        layer.conv_offset.weight.normal_(0, 0.1)
+    x = torch.randn(2, 16, 12, 13, device="cuda")
+    eager = layer(x)
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(x), eager, atol=1e-4, rtol=1e-4)
+    exported = torch.export.export(layer, (x,))
+    assert any("deformconv.deform_conv2d" in str(nd.target) for nd in exported.graph.nodes)
+    torch.testing.assert_close(exported.module()(x), eager, atol=1e-4, rtol=1e-4)
+    for dt in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", dtype=dt):
+            y = layer(x)
+        assert y.dtype == dt
+        torch.testing.assert_close(y.float(), eager, atol=5e-2, rtol=5e-2)
+
+
+def test_deterministic_backward_is_bitwise_reproducible():
+    args, kwargs = _case("det-like", torch.float16, seed=8)
+    torch.use_deterministic_algorithms(True)
+    try:
+        _, g1 = _fwd_bwd(args, kwargs, "triton")
+        _, g2 = _fwd_bwd(args, kwargs, "triton")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, a, b in zip(NAMES, g1, g2):
+        assert torch.equal(a, b), f"grad_{name} differs between two deterministic runs"
+    ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
+    for name, g, r in zip(NAMES, g1, ref_grads):
+        assert_close(g, r, torch.float16, f"grad_{name}")
+
+
+def _train(backend, steps=40):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 3, padding=1), torch.nn.ReLU(),
+        deformconv.ModulatedDeformConv2dPack(16, 16, 3, padding=1), torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, 4),
+    ).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(64, 3, 16, 16, generator=gen, device="cuda")
+    y = (x[:, 0, 4:12, 4:12].mean((1, 2)) > 0).long() + 2 * (x[:, 1].mean((1, 2)) > 0).long()
+    opt = torch.optim.Adam(net.parameters(), lr=3e-3)
+    losses = []
+    with deformconv_backend(backend):
+        for _ in range(steps):
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return losses
+
+
+class deformconv_backend:
+    def __init__(self, name):
+        self.name = name
+
+    def __enter__(self):
+        import os
+
+        self.old = os.environ.get("DEFORMCONV_BACKEND")
+        os.environ["DEFORMCONV_BACKEND"] = self.name
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.old is None:
+            os.environ.pop("DEFORMCONV_BACKEND", None)
+        else:
+            os.environ["DEFORMCONV_BACKEND"] = self.old
+
+
+def test_training_loop_triton_matches_reference():
+    tri = _train("triton")
+    ref = _train("reference")
+    assert tri[-1] < 0.7 * tri[0]
+    for a, b in zip(tri, ref):
+        assert abs(a - b) <= 1e-3 * max(1.0, abs(b))
