@@ -1,0 +1,86 @@
+"""Bad input gets a clear exception naming the argument, what was expected and what came, before any
+kernel runs: one pytest.raises(match=...) per check."""
+
+import pytest
+import torch
+
+import deformconv
+
+
+def _good():
+    x = torch.randn(2, 4, 7, 8)
+    offset = torch.randn(2, 18, 7, 8)
+    weight = torch.randn(6, 4, 3, 3)
+    bias = torch.randn(6)
+    mask = torch.rand(2, 9, 7, 8)
+    return dict(input=x, offset=offset, weight=weight, bias=bias, padding=1, mask=mask)
+
+
+def _call(**changes):
+    kw = _good()
+    kw.update(changes)
+    return deformconv.deform_conv2d(**kw)
+
+
+def test_good_call_runs():
+    assert _call().shape == (2, 6, 7, 8)
+
+
+CASES = {
+    "input-ndim": (dict(input=torch.randn(4, 7, 8)), ValueError, r"input must be a 4-D tensor \[N, Cin, H, W\], got 3-D"),
+    "offset-ndim": (dict(offset=torch.randn(2, 18, 56)), ValueError, r"offset must be a 4-D tensor .* got 3-D"),
+    "weight-ndim": (dict(weight=torch.randn(6, 4, 9)), ValueError, r"weight must be a 4-D tensor .* got 3-D"),
+    "mask-ndim": (dict(mask=torch.rand(2, 9, 56)), ValueError, r"mask must be a 4-D tensor .* got 3-D"),
+    "bias-ndim": (dict(bias=torch.randn(6, 1)), ValueError, r"bias must be a 1-D tensor \[Cout\], got 2-D"),
+    "offset-channels": (dict(offset=torch.randn(2, 17, 7, 8)), ValueError, r"offset.shape\[1\] must be 2\*offset_groups\*kh\*kw .*multiple of 18\), got 17"),
+    "mask-channels": (dict(mask=torch.rand(2, 8, 7, 8)), ValueError, r"mask.shape\[1\] must be offset_groups\*kh\*kw = 9, got 8"),
+    "offset-spatial": (dict(offset=torch.randn(2, 18, 7, 7)), ValueError, r"offset spatial size must be the output size \(7, 8\), got \(7, 7\)"),
+    "mask-spatial": (dict(mask=torch.rand(2, 9, 6, 8)), ValueError, r"mask spatial size must be the output size \(7, 8\), got \(6, 8\)"),
+    "offset-batch": (dict(offset=torch.randn(3, 18, 7, 8)), ValueError, r"offset batch size must equal input's \(2\), got 3"),
+    "mask-batch": (dict(mask=torch.rand(1, 9, 7, 8)), ValueError, r"mask batch size must equal input's \(2\), got 1"),
+    "cin-not-divisible-by-weight": (dict(weight=torch.randn(6, 3, 3, 3)), ValueError, r"input channels \(4\) must be divisible by weight.shape\[1\] \(Cin/groups = 3\)"),
+    "cout-not-divisible-by-groups": (dict(weight=torch.randn(5, 2, 3, 3), bias=torch.randn(5)), ValueError, r"weight.shape\[0\] \(Cout = 5\) must be a positive multiple of groups \(2\)"),
+    "cin-not-divisible-by-offset-groups": (dict(input=torch.randn(2, 4, 7, 8), offset=torch.randn(2, 54, 7, 8), mask=torch.rand(2, 27, 7, 8)), ValueError, r"input channels \(4\) must be divisible by offset groups \(3\)"),
+    "bias-size": (dict(bias=torch.randn(5)), ValueError, r"bias must have Cout = 6 elements, got 5"),
+    "stride-zero": (dict(stride=0), ValueError, r"stride must be positive, got \(0, 0\)"),
+    "stride-negative": (dict(stride=(1, -2)), ValueError, r"stride must be positive, got \(1, -2\)"),
+    "dilation-zero": (dict(dilation=(0, 1)), ValueError, r"dilation must be positive, got \(0, 1\)"),
+    "padding-negative": (dict(padding=-1), ValueError, r"padding must be non-negative, got \(-1, -1\)"),
+    "stride-type": (dict(stride=1.5), TypeError, r"stride must be an int or a pair of ints, got float 1.5"),
+    "padding-triple": (dict(padding=(1, 1, 1)), TypeError, r"padding must be an int or a pair of ints, got \(1, 1, 1\)"),
+    "output-size": (dict(input=torch.randn(2, 4, 2, 2), padding=0), ValueError, r"computed output size \(0, 0\) is not positive"),
+    "device-mismatch": (dict(offset=torch.randn(2, 18, 7, 8, device="meta")), ValueError, r"offset must be on the same device as input \(cpu\), got meta"),
+    "mixed-dtypes": (dict(weight=torch.randn(6, 4, 3, 3, dtype=torch.float64)), TypeError, r"weight must have the same dtype as input \(torch.float32\), got torch.float64"),
+    "integer-input": (dict(input=torch.ones(2, 4, 7, 8, dtype=torch.int64)), TypeError, r"input must be a floating-point tensor, got dtype torch.int64"),
+    "complex-offset": (dict(offset=torch.randn(2, 18, 7, 8, dtype=torch.complex64)), TypeError, r"offset must be a floating-point tensor, got dtype torch.complex64"),
+    "not-a-tensor": (dict(weight=[[1.0]]), TypeError, r"weight must be a Tensor, got list"),
+    "unknown-backend": (dict(backend="cuda-magic"), ValueError, r"backend must be one of \['reference', 'triton'\] .*got 'cuda-magic'"),
+}
+
+
+@pytest.mark.parametrize("changes,exc,match", list(CASES.values()), ids=list(CASES))
+def test_bad_argument_raises(changes, exc, match):
+    with pytest.raises(exc, match=match):
+        _call(**changes)
+
+
+def test_forced_backend_that_cannot_run_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kw = _good()
+    x64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run on device cpu with dtype torch.float64: .*float64 has no tensor-core path"):
+        deformconv.deform_conv2d(**x64, backend="triton")
+
+
+def test_environment_variable_selects_backend(monkeypatch):
+    monkeypatch.setenv("DEFORMCONV_BACKEND", "nope")
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        _call()
+    monkeypatch.setenv("DEFORMCONV_BACKEND", "reference")
+    assert deformconv.select_backend(torch.device("cpu"), torch.float32) == "reference"
+
+
+def test_reasons_are_listed_per_backend():
+    reasons = deformconv.not_supported_reasons(torch.device("cpu"), torch.float64)
+    assert reasons["reference"] == []
+    assert any("float64" in r for r in reasons["triton"])

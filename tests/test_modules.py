@@ -1,0 +1,78 @@
+"""nn.Modules: torchvision- and mmcv-compatible parameters and state_dicts; the Pack layers are a plain
+convolution at initialisation."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deformconv
+from conftest import make_case
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def test_deform_conv2d_loads_torchvision_state_dict_and_matches():
+    tv = torchvision.ops.DeformConv2d(6, 8, (3, 2), stride=(1, 2), padding=(1, 0), dilation=1, groups=2).double()
+    ours = deformconv.DeformConv2d(6, 8, (3, 2), stride=(1, 2), padding=(1, 0), dilation=1, groups=2).double()
+    assert set(tv.state_dict()) == set(ours.state_dict()) == {"weight", "bias"}
+    ours.load_state_dict(tv.state_dict())
+    args, kw = make_case(2, 6, 8, 7, 9, 3, 2, groups=2, offset_groups=3, stride=(1, 2), padding=(1, 0), seed=1)
+    x, offset = args[0], args[1]
+    torch.testing.assert_close(ours(x, offset, kw["mask"]), tv(x, offset, kw["mask"]), atol=1e-12, rtol=1e-12)
+
+
+def test_deform_conv2d_without_bias():
+    layer = deformconv.DeformConv2d(4, 4, 3, bias=False)
+    assert layer.bias is None and set(layer.state_dict()) == {"weight"}
+    assert "bias=False" in repr(layer)
+
+
+def test_module_rejects_bad_channels():
+    with pytest.raises(ValueError, match=r"in_channels must be a positive multiple of groups \(2\), got 5"):
+        deformconv.DeformConv2d(5, 4, 3, groups=2)
+    with pytest.raises(ValueError, match=r"in_channels \(6\) must be divisible by offset_groups, got offset_groups=4"):
+        deformconv.DeformConv2dPack(6, 4, 3, offset_groups=4)
+
+
+MMCV_KEYS = {"weight", "bias", "conv_offset.weight", "conv_offset.bias"}
+
+
+@pytest.mark.parametrize("cls,per_tap", [(deformconv.DeformConv2dPack, 2), (deformconv.ModulatedDeformConv2dPack, 3)],
+                         ids=["dcnv1", "dcnv2"])
+def test_pack_state_dict_keys_and_shapes_are_mmcvs(cls, per_tap):
+    layer = cls(8, 16, 3, padding=1, deform_groups=2)
+    sd = layer.state_dict()
+    assert set(sd) == MMCV_KEYS
+    assert sd["conv_offset.weight"].shape == (2 * per_tap * 9, 8, 3, 3)
+    assert layer.offset_groups == layer.deform_groups == 2
+    # An mmcv checkpoint (same keys and shapes) loads strictly; so does an old `conv_offset_mask` one.
+    fresh = cls(8, 16, 3, padding=1, offset_groups=2)
+    fresh.load_state_dict({k: torch.randn_like(v) for k, v in sd.items()})
+    old = {k.replace("conv_offset.", "conv_offset_mask."): v for k, v in sd.items()}
+    fresh.load_state_dict(old)
+    torch.testing.assert_close(fresh.conv_offset.weight, sd["conv_offset.weight"])
+
+
+@pytest.mark.parametrize("stride,padding,dilation", [(1, 1, 1), (2, 2, 2), ((1, 2), (0, 1), (2, 1))], ids=["s1", "s2d2", "mixed"])
+def test_pack_layers_are_plain_convs_at_init(stride, padding, dilation):
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 11, 10, dtype=torch.float64)
+    v1 = deformconv.DeformConv2dPack(4, 6, 3, stride, padding, dilation, offset_groups=2).double()
+    conv = F.conv2d(x, v1.weight, v1.bias, stride, padding, dilation)
+    torch.testing.assert_close(v1(x), conv, atol=1e-12, rtol=1e-12)
+    v2 = deformconv.ModulatedDeformConv2dPack(4, 6, 3, stride, padding, dilation).double()
+    conv2 = F.conv2d(x, v2.weight, None, stride, padding, dilation)
+    torch.testing.assert_close(v2(x), 0.5 * conv2 + v2.bias[None, :, None, None], atol=1e-12, rtol=1e-12)
+
+
+def test_modulated_pack_learns_offsets_and_mask():
+    """Gradients reach conv_offset (offsets and mask), so the layer can learn where to look."""
+    torch.manual_seed(0)
+    layer = deformconv.ModulatedDeformConv2dPack(3, 4, 3, padding=1)
+    x = torch.randn(2, 3, 8, 8)
+    layer(x).square().sum().backward()
+    g = layer.conv_offset.weight.grad
+    assert g is not None and g[:18].abs().sum() > 0 and g[18:].abs().sum() > 0
+    offset, mask = layer.offset_and_mask(x)
+    assert offset.shape == (2, 18, 8, 8) and mask.shape == (2, 9, 8, 8)
+    torch.testing.assert_close(mask, torch.full_like(mask, 0.5))
