@@ -2,6 +2,7 @@
 against an independent naive implementation and against torchvision, forward and all five gradients."""
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -52,8 +53,9 @@ def _run(fn, leaves, kwargs, grad_seed=1):
     g = torch.Generator().manual_seed(grad_seed)
     grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
     wrt = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(out, wrt, grad_out)
-    it = iter(grads)
+    # allow_unused: the naive oracle never touches an input whose every sample falls outside the image.
+    grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)
+    it = iter(torch.zeros_like(t) if g is None else g for t, g in zip(wrt, grads))
     return out, [None if t is None else next(it) for t in leaves]
 
 
@@ -76,7 +78,7 @@ def _compare(backend, dtype, leaves64, kwargs, oracle):
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 def test_against_naive(backend, dtype, config):
     """Forward and every gradient against the naive loops (float64 oracle on the same values)."""
-    args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=hash(config) % 1000)
+    args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 1000)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
 

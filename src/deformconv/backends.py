@@ -2,7 +2,8 @@
 
 Each backend says why it cannot run a given (device, dtype) through ``not_supported_reasons`` (an empty
 list means it can). Selection, in order: the ``backend=`` keyword, else the environment variable
-``DEFORMCONV_BACKEND``, else the first backend of ``PRIORITY`` that supports the call. A forced backend
+``DEFORMCONV_BACKEND``, else the first backend of ``PRIORITY`` that supports the call and may be chosen
+automatically on that device (Triton's CPU interpreter is never chosen automatically). A forced backend
 that cannot run raises with its reasons; when none can, the error lists every backend's reasons.
 """
 
@@ -23,6 +24,10 @@ class Backend:
 
     def not_supported_reasons(self, device: torch.device, dtype: torch.dtype) -> List[str]:
         raise NotImplementedError
+
+    def automatic(self, device: torch.device) -> bool:
+        """Whether the automatic choice may pick this backend on this device (it must also support it)."""
+        return True
 
     def forward(self, input, offset, weight, bias, mask, stride, padding, dilation):
         raise NotImplementedError
@@ -95,6 +100,10 @@ class TritonBackend(Backend):
             reasons.append(f"dtype {dtype} is not one of float16, bfloat16, float32")
         return reasons
 
+    def automatic(self, device):
+        # Triton's CPU interpreter is for testing: CPU tensors go to the reference unless forced.
+        return torch.device(device).type == "cuda"
+
     def forward(self, *args):
         from .ops import deform_conv2d
 
@@ -141,7 +150,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: Optional
             return requested
     all_reasons = not_supported_reasons(device, dtype)
     for name in PRIORITY:
-        if not all_reasons[name]:
+        if not all_reasons[name] and BACKENDS[name].automatic(device):
             return name
     detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in all_reasons.items())
     raise RuntimeError(f"no deform_conv2d backend can run on device {device} with dtype {dtype} ({detail})")

@@ -19,6 +19,7 @@ torch.library glue is in deformconv/library.py, the dispatch in deformconv/backe
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -55,35 +56,40 @@ def _unique(cands: List[Config]) -> List[Config]:
     return list(dict.fromkeys(cands))
 
 
-# Candidates per kernel, best guess first. Each list has at most 4 entries, so that the first call at a new
-# shape class compiles and times a handful of configs (a few seconds), never a sweep.
+# Candidates per kernel, the heuristic default first (chosen from H200 measurements, see
+# benchmarks/README.md). The default is used as is; with DEFORMCONV_AUTOTUNE=1 the first call at a new
+# shape class times the (at most 4) candidates instead and keeps the fastest: a few seconds, never a sweep.
 
 
-def _fwd_candidates(geo: ConvGeometry, seg: int) -> List[Config]:
+def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64)
+    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    cands = [Config(128, bn, min(bk, 32), 4)]
-    if cout_g >= 256:
-        cands.append(Config(128, 256, bk, 8))
-    cands += [Config(128, bn, bk, 4), Config(64, bn, bk, 4)]
+    if cout_g >= 256 and dtype != torch.float32:
+        cands = [Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
+    else:
+        cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
+    cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
     return _unique(cands)[:4]
 
 
-def _bwd_data_candidates(geo: ConvGeometry, seg: int) -> List[Config]:
+def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64)
-    bn = _pow2_clamp(cout_g, 16, 64)
-    return _unique([Config(64, bn, bk, 4), Config(128, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 128), bk, 8),
-                    Config(64, bn, min(bk, 32), 4)])
+    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
+    first = Config(64, 128, bk, 8) if cout_g >= 256 else Config(64, _pow2_clamp(cout_g, 16, 64), min(bk, 32), 4)
+    return _unique([first, Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4), Config(128, _pow2_clamp(cout_g, 16, 64), bk, 8),
+                    Config(64, _pow2_clamp(cout_g, 16, 128), bk, 8)])
 
 
-def _bwd_weight_candidates(geo: ConvGeometry, seg: int, device: torch.device) -> List[Config]:
+def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64)
+    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
+    shapes = [(128, _pow2_clamp(cout_g, 16, 128), bk, 8), (64, _pow2_clamp(cout_g, 16, 256), bk, 8),
+              (64, _pow2_clamp(cout_g, 16, 128), bk, 4), (64, _pow2_clamp(cout_g, 16, 64), bk, 4)]
+    if cout_g >= 256 and dtype != torch.float32:
+        shapes[0], shapes[1] = shapes[1], shapes[0]
     cands = []
-    for bm, bn, kk, warps in ((64, _pow2_clamp(cout_g, 16, 128), bk, 4), (128, _pow2_clamp(cout_g, 16, 128), bk, 8),
-                              (64, _pow2_clamp(cout_g, 16, 256), bk, 8), (64, _pow2_clamp(cout_g, 16, 64), bk, 4)):
+    for bm, bn, kk, warps in shapes:
         rows = geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, kk)
         tiles = rows * triton.cdiv(cout_g, bn)
         cands.append(Config(bm, bn, kk, warps, split=_split_for(geo, tiles, bm, device)))
@@ -91,11 +97,15 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, device: torch.device) ->
 
 
 def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
-    """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each."""
+    """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each, and the fp32
+    partial sums no larger than the input (2 bytes an element) or 4 weights, whichever is more."""
     m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
     want = triton.cdiv(3 * sms, max(tiles, 1))
-    return max(1, min(want, m_tiles // 4, 64))
+    weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
+    input_elems = geo.batch * geo.in_channels * geo.height * geo.width
+    by_memory = max(4, (2 * input_elems) // (4 * weight_elems))
+    return max(1, min(want, m_tiles // 4, by_memory, 64))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -108,25 +118,40 @@ def _dot_precision(dtype: torch.dtype) -> str:
 _TUNED: Dict[tuple, Config] = {}
 
 
+def autotune_enabled() -> bool:
+    return os.environ.get("DEFORMCONV_AUTOTUNE", "0") not in ("", "0")
+
+
 def _pick_config(key: tuple, candidates: List[Config], launch, device: torch.device) -> Config:
-    """The fastest of a handful of candidates, timed once per shape class on CUDA, then cached. ``launch``
-    must be safe to repeat (the caller re-initialises any accumulator after the choice)."""
+    """The heuristic default (candidates[0]); with DEFORMCONV_AUTOTUNE=1 on CUDA, the fastest candidate,
+    timed once per shape class and cached. ``launch`` must be safe to repeat (the caller re-initialises
+    any accumulator after the choice). A candidate must beat the default by 5% to replace it."""
     if key in _TUNED:
         return _TUNED[key]
-    if len(candidates) == 1 or device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if (not autotune_enabled() or len(candidates) == 1 or device.type != "cuda"
+            or torch.cuda.is_current_stream_capturing()):
+        _TUNED[key] = candidates[0]
         return candidates[0]
     from triton.testing import do_bench
 
-    best, best_ms = candidates[0], float("inf")
+    times = {}
     for cfg in candidates:
         try:
-            ms = do_bench(lambda: launch(cfg), warmup=3, rep=10, return_mode="median")
+            launch(cfg)  # compile and warm the clocks before timing
+            times[cfg] = do_bench(lambda: launch(cfg), warmup=10, rep=30, return_mode="median")
         except Exception:  # a candidate that does not fit this GPU (e.g. out of shared memory)
             continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
+    best = candidates[0]
+    for cfg, ms in times.items():
+        if ms < 0.95 * times.get(best, float("inf")):
+            best = cfg
     _TUNED[key] = best
     return best
+
+
+def chosen_configs() -> Dict[tuple, Config]:
+    """The config in use for each shape class seen so far (for benchmarks and bug reports)."""
+    return dict(_TUNED)
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -562,7 +587,7 @@ def deform_conv2d_forward(
         )
 
     key = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
-    launch(_pick_config(key, _fwd_candidates(geo, seg), launch, input.device))
+    launch(_pick_config(key, _fwd_candidates(geo, seg, input.dtype), launch, input.device))
     return out
 
 
@@ -607,7 +632,7 @@ def deform_conv2d_backward(
             )
 
         key = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (atomic_gin, need_off, need_mask)
-        cfg = _pick_config(key, _bwd_data_candidates(geo, seg), launch_data, input.device)
+        cfg = _pick_config(key, _bwd_data_candidates(geo, seg, input.dtype), launch_data, input.device)
         if atomic_gin:
             gin.zero_()  # after any tuning runs, which accumulate into it too
         launch_data(cfg)
@@ -642,7 +667,7 @@ def deform_conv2d_backward(
             return part
 
         key = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
-        cfg = _pick_config(key, _bwd_weight_candidates(geo, seg, input.device), launch_weight, input.device)
+        cfg = _pick_config(key, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
         part = launch_weight(cfg)
         grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups).to(weight.dtype).contiguous(
             memory_format=suggest_memory_format(weight))

@@ -78,12 +78,12 @@ def _sampling(offset: Tensor, geo: ConvGeometry, ctype: torch.dtype):
     return corners, (ly, lx, hy, hx)
 
 
-def _gather(img: Tensor, flat: Tensor, valid: Tensor, geo: ConvGeometry) -> Tensor:
-    """img [n, G, Cg, H*W]; flat [n, G, K*L] -> values [n, G, Cg, K, L], zero where not valid."""
+def _gather(img: Tensor, flat: Tensor, geo: ConvGeometry) -> Tensor:
+    """img [n, G, Cg, H*W]; flat [n, G, K*L] -> values [n, G, Cg, K, L]. Where a corner is outside the
+    image the value is that of a clamped pixel: callers multiply by a corner weight that is zero there."""
     n, G, Cg, _ = img.shape
     v = torch.gather(img, 3, flat[:, :, None, :].expand(n, G, Cg, flat.shape[-1]))
-    v = v.reshape(n, G, Cg, geo.taps, geo.out_h * geo.out_w)
-    return v * valid[:, :, None].to(v.dtype)
+    return v.reshape(n, G, Cg, geo.taps, geo.out_h * geo.out_w)
 
 
 def _columns(input: Tensor, offset: Tensor, mask: Optional[Tensor], geo: ConvGeometry, ctype: torch.dtype):
@@ -93,9 +93,9 @@ def _columns(input: Tensor, offset: Tensor, mask: Optional[Tensor], geo: ConvGeo
     img = input.to(ctype).reshape(n, G, geo.in_channels // G, geo.height * geo.width)
     corners, frac = _sampling(offset, geo, ctype)
     val = None
-    for flat, wgt, valid in corners:
-        term = _gather(img, flat, valid, geo) * wgt[:, :, None]
-        val = term if val is None else val + term
+    for flat, wgt, _ in corners:
+        v = _gather(img, flat, geo)
+        val = v.mul_(wgt[:, :, None]) if val is None else val.addcmul_(v, wgt[:, :, None])
     return val, img, corners, frac
 
 
@@ -180,7 +180,7 @@ def deform_conv2d_backward(
                 gy = torch.zeros((n, G, K, L), dtype=ctype, device=input.device)
                 gx = torch.zeros_like(gy)
                 for (flat, _, valid), cy, cx in zip(corners, dwy, dwx):
-                    corner_sum = (grad_val * _gather(img, flat, valid, geo)).sum(2)
+                    corner_sum = (grad_val * _gather(img, flat, geo)).sum(2) * valid
                     gy += cy * corner_sum
                     gx += cx * corner_sum
                 grad_off[s:e, :, :, 0] = gy

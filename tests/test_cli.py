@@ -1,0 +1,87 @@
+"""The command line: demo (tiny, end to end, valid PNGs), bench and info on the CPU, usage errors."""
+
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from deformconv.cli import main
+
+
+def _png_size(path):
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", f"{path} is not a PNG"
+    w, h = struct.unpack(">II", head[16:24])
+    return w, h
+
+
+def test_demo_tiny_end_to_end(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "demo"
+    rc = main(["demo", "--epochs", "1", "--size", "16", "--train", "128", "--test", "64", "--width", "4",
+               "--device", "cpu", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "| plain |" in text and "| DCNv2 |" in text
+    for name in ("sampling_locations.png", "training_curves.png"):
+        w, h = _png_size(out / name)
+        assert w > 100 and h > 100
+
+
+def test_demo_is_deterministic_for_a_seed(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    args = ["demo", "--epochs", "1", "--size", "16", "--train", "64", "--test", "32", "--width", "4",
+            "--device", "cpu", "--no-progress", "--seed", "3", "--out", str(tmp_path)]
+    rows = []
+    for _ in range(2):
+        main(args)
+        rows.append([ln.rsplit("|", 2)[0] for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")])
+    assert rows[0] == rows[1]  # everything but the wall time
+
+
+def test_demo_nets_have_matched_parameter_counts():
+    from deformconv.cli.demo import build_nets, n_params
+
+    plain, dcn = build_nets(12)
+    assert abs(n_params(plain) - n_params(dcn)) / n_params(dcn) < 0.1
+
+
+def test_info_prints_versions_and_backend_table(capsys):
+    assert main(["info"]) == 0
+    text = capsys.readouterr().out
+    assert "torch" in text and "deformconv" in text
+    assert "cpu      float64    reference" in text
+
+
+def test_bench_cpu_prints_table_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--device", "cpu", "--shapes", "small", "--passes", "fwd", "--json", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "| fwd | small | float32 |" in text
+    data = json.loads(path.read_text())
+    recs = data["records"]
+    assert {r["impl"] for r in recs} >= {"deformconv", "conv2d"}
+    assert all(r["median_ms"] > 0 for r in recs if "error" not in r)
+    assert data["environment"]["torch"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["demo", "--epochs", "0"], "must be a positive integer, got 0"),
+    (["demo", "--size", "8"], "--size must be at least 16, got 8"),
+    (["bench", "--shapes", "nope"], "unknown shape"),
+    (["frobnicate"], "invalid choice"),
+], ids=["epochs-zero", "size-small", "bench-shape", "unknown-command"])
+def test_bad_options_give_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code != 0
+    captured = capsys.readouterr()
+    assert message in captured.err + captured.out + str(exc.value.code)
+
+
+def test_python_dash_m_entry_point():
+    proc = subprocess.run([sys.executable, "-m", "deformconv", "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "demo" in proc.stdout
