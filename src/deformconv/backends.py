@@ -9,8 +9,9 @@ that cannot run raises with its reasons; when none can, the error lists every ba
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -57,6 +58,12 @@ class ReferenceBackend(Backend):
         return reference.deform_conv2d_backward(*args)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_capability(index: int) -> Tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.lru_cache(maxsize=None)
 def _triton_import_error() -> Optional[str]:
     try:
         import triton  # noqa: F401
@@ -85,9 +92,10 @@ class TritonBackend(Backend):
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 reasons.append("CUDA is not available")
-            elif torch.cuda.get_device_capability(device)[0] < 8 and dtype == torch.bfloat16:
+            elif _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 8 \
+                    and dtype == torch.bfloat16:
                 reasons.append(f"bfloat16 needs compute capability >= 8.0, {torch.cuda.get_device_name(device)} has less")
-            elif torch.cuda.get_device_capability(device)[0] < 7:
+            elif _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 7:
                 reasons.append("Triton needs compute capability >= 7.0")
         elif device.type == "cpu":
             if not triton_interpret_mode():
