@@ -3,6 +3,7 @@ argument, what was expected and what came, before any kernel runs."""
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple, Union
 
@@ -42,15 +43,16 @@ def pair(value: IntPair, name: str) -> Tuple[int, int]:
         raise TypeError(f"{name} must be an int or a pair of ints, got a Tensor")
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int or a pair of ints, got bool {value!r}")
-    if isinstance(value, int):
-        return (value, value)
+    if hasattr(value, "__index__"):  # int, numpy integers
+        v = operator.index(value)
+        return (v, v)
     try:
         items = tuple(value)
     except TypeError:
         raise TypeError(f"{name} must be an int or a pair of ints, got {type(value).__name__} {value!r}") from None
-    if len(items) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) for v in items):
+    if len(items) != 2 or not all(hasattr(v, "__index__") and not isinstance(v, bool) for v in items):
         raise TypeError(f"{name} must be an int or a pair of ints, got {value!r}")
-    return (int(items[0]), int(items[1]))
+    return (operator.index(items[0]), operator.index(items[1]))
 
 
 def _check_tensor(t: Tensor, name: str, ndim: int, shape_doc: str) -> None:
