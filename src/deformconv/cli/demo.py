@@ -316,8 +316,8 @@ def run(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         results.append(train(name, net, data, args.epochs, args.batch, args.lr, device, args.seed, progress))
     print()
-    print(f"| net   | parameters | test accuracy | test loss | final train loss | wall time |")
-    print(f"|-------|-----------:|--------------:|----------:|-----------------:|----------:|")
+    print("| net   | parameters | test accuracy | test loss | final train loss | wall time |")
+    print("|-------|-----------:|--------------:|----------:|-----------------:|----------:|")
     for r in results:
         print(f"| {r.name:<5} | {r.params:>10,} | {r.test_acc[-1]:>13.1%} | {r.test_loss:>9.3f} | "
               f"{r.train_loss[-1]:>16.3f} | {r.seconds:>8.1f}s |")

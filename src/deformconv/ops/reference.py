@@ -21,7 +21,7 @@ float32 at the budget), backward at about 12 (768 MiB), on top of inputs and out
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
