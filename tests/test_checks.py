@@ -84,3 +84,30 @@ def test_reasons_are_listed_per_backend():
     reasons = deformconv.not_supported_reasons(torch.device("cpu"), torch.float64)
     assert reasons["reference"] == []
     assert any("float64" in r for r in reasons["triton"])
+
+
+@pytest.mark.parametrize("capability,dtype,expected", [
+    ((9, 0), torch.bfloat16, "triton"),
+    ((9, 0), torch.float32, "triton"),
+    ((7, 5), torch.float16, "triton"),
+    ((7, 5), torch.bfloat16, "reference"),
+    ((9, 0), torch.float64, "reference"),
+], ids=["h100-bf16", "h100-fp32", "t4-fp16", "t4-bf16", "h100-fp64"])
+def test_cuda_selection_by_capability(monkeypatch, capability, dtype, expected):
+    """The CUDA branch of the dispatch, with the GPU faked: Triton where it can run, else the reference."""
+    from deformconv import backends
+
+    monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "FakeGPU")
+    backends._cuda_capability.cache_clear()
+    try:
+        assert deformconv.select_backend(torch.device("cuda"), dtype) == expected
+        assert deformconv.select_backend(torch.device("cuda", 0), dtype) == expected
+        if expected == "reference" and dtype == torch.bfloat16:
+            reasons = deformconv.not_supported_reasons(torch.device("cuda"), dtype)["triton"]
+            assert reasons == ["bfloat16 needs compute capability >= 8.0, FakeGPU has less"]
+    finally:
+        backends._cuda_capability.cache_clear()
