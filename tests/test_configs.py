@@ -1,0 +1,63 @@
+"""Kernel config choice: the heuristic default, opt-in autotuning (timer faked), bounded candidate lists."""
+
+import pytest
+import torch
+
+deform_ops = pytest.importorskip("deformconv.ops.deform_conv2d")
+from deformconv.checks import ConvGeometry  # noqa: E402
+
+
+def _geo(cin=256, cout=256, groups=1, og=1, n=8, h=50, w=76):
+    return ConvGeometry(batch=n, in_channels=cin, height=h, width=w, out_channels=cout, kernel_h=3, kernel_w=3,
+                        groups=groups, offset_groups=og, stride=(1, 1), padding=(1, 1), dilation=(1, 1),
+                        out_h=h, out_w=w)
+
+
+@pytest.mark.parametrize("geo", [_geo(), _geo(128, 128), _geo(64, 64, og=8, n=16, h=128, w=128), _geo(6, 4, 2, 3, 1, 5, 4)],
+                         ids=["det-s4", "det-s3", "hires-g8", "segments-1"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_candidate_lists_are_small_and_valid(geo, dtype):
+    seg = deform_ops.segment_length(geo)
+    lists = [deform_ops._fwd_candidates(geo, seg, dtype), deform_ops._bwd_data_candidates(geo, seg, dtype),
+             deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))]
+    for cands in lists:
+        assert 1 <= len(cands) <= 4 and len(set(cands)) == len(cands)
+        for c in cands:
+            assert c.block_k >= 16 and c.block_n >= 16 and c.block_m >= 16 and c.split >= 1
+            if dtype == torch.float32:
+                assert c.block_k <= 32
+
+
+def test_default_is_the_heuristic_without_autotune(monkeypatch):
+    monkeypatch.delenv("DEFORMCONV_AUTOTUNE", raising=False)
+    cands = [deform_ops.Config(128, 128, 32, 4), deform_ops.Config(64, 64, 32, 4)]
+    calls = []
+    key = ("test-default", 1)
+    deform_ops._TUNED.pop(key, None)
+    assert deform_ops._pick_config(key, cands, calls.append, torch.device("cuda")) == cands[0]
+    assert calls == []  # nothing launched to choose
+
+
+def test_autotune_keeps_default_unless_5_percent_faster(monkeypatch):
+    import triton.testing
+
+    monkeypatch.setenv("DEFORMCONV_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    a, b, c = deform_ops.Config(128, 128, 32, 4), deform_ops.Config(64, 64, 32, 4), deform_ops.Config(64, 128, 64, 8)
+    fake = {a: 1.00, b: 0.97, c: 0.80}
+    current = {}
+
+    def launch(cfg):
+        if cfg == c and current.get("fail"):
+            raise RuntimeError("out of resources")
+        current["cfg"] = cfg
+
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), fake[current["cfg"]])[1])
+    for key in (("t", 1), ("t", 2)):
+        deform_ops._TUNED.pop(key, None)
+    assert deform_ops._pick_config(("t", 1), [a, b], launch, torch.device("cuda")) == a  # 3% is noise
+    assert deform_ops._pick_config(("t", 2), [a, b, c], launch, torch.device("cuda")) == c
+    current["fail"] = True
+    deform_ops._TUNED.pop(("t", 2))
+    assert deform_ops._pick_config(("t", 2), [a, b, c], launch, torch.device("cuda")) == a  # c cannot run
+    assert deform_ops.chosen_configs()[("t", 2)] == a
