@@ -169,8 +169,9 @@ def _sample_point(
 ):
     """Sample point of one tap and offset group: the element offset of its top-left corner (y0, x0) in
     the NHWC input, which of the 4 corners lie inside the image, the fractions (ly, lx) and the mask."""
-    dy = tl.load(off_ptr + off_row + (2 * ch) * L, mask=m_valid, other=0.0).to(tl.float32)
-    dx = tl.load(off_ptr + off_row + (2 * ch + 1) * L, mask=m_valid, other=0.0).to(tl.float32)
+    dy_row = off_row + (2 * ch).to(tl.int64) * L  # int64: one image's offsets may pass 2**31 elements
+    dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0).to(tl.float32)
+    dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0).to(tl.float32)
     y = y_ref + dy
     x = x_ref + dx
     inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)  # y == -1: zero value, one-sided grad
@@ -186,7 +187,7 @@ def _sample_point(
     right = x0 + 1 < W
     p00 = pix_base + (y0 * W + x0).to(tl.int64) * CIN
     if HAS_MASK:
-        mv = tl.load(msk_ptr + msk_row + ch * L, mask=m_valid, other=0.0).to(tl.float32)
+        mv = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0).to(tl.float32)
     else:
         mv = tl.full(ly.shape, 1.0, tl.float32)
     return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
@@ -212,8 +213,8 @@ def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.con
 
 @triton.jit
 def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M: tl.constexpr):
-    """Per output position of this M tile: validity, image index, l = ho*Wo + wo, the NHWC image base,
-    the offset/mask row bases and the undeformed top-left sample point."""
+    """Per output position of this M tile: validity, image index, l = ho*Wo + wo (int64, for addresses), the
+    NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point."""
     L = HO * WO
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_valid = offs_m < M
@@ -226,7 +227,7 @@ def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_
     msk_row = n_img * (G * KK) * L + l
     y_out = (ho * STRIDE_H - PAD_H).to(tl.float32)
     x_out = (wo * STRIDE_W - PAD_W).to(tl.float32)
-    return m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out
+    return m_valid, n_img, l.to(tl.int64), pix_base, off_row, msk_row, y_out, x_out
 
 
 @triton.jit
@@ -299,7 +300,7 @@ def _deform_conv2d_fwd_kernel(
     co = gc * COUT_G + offs_n
     if HAS_BIAS:
         acc += tl.load(b_ptr + co, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + (n_img * out_sn + l * out_sl)[:, None] + (co * out_sc)[None, :]
+    out_ptrs = out_ptr + (n_img * out_sn + l * out_sl)[:, None] + (co.to(tl.int64) * out_sc)[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_ok[None, :])
 
 
@@ -365,7 +366,7 @@ def _deform_conv2d_bwd_data_kernel(
                     gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
                     for n0 in range(0, COUT_G, BLOCK_N):
                         n_ok = n0 + offs_n < COUT_G
-                        go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n) * go_sc)[None, :],
+                        go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
                                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
                         wt = tl.load(w_ptr + (w_row + c0 + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
                                      mask=k_ok[None, :] & n_ok[:, None], other=0.0)
@@ -388,10 +389,11 @@ def _deform_conv2d_bwd_data_kernel(
                         tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, None], mask=v11[:, None] & k_ok[None, :], sem="relaxed")
             # --- this (tap, offset group) is complete: store its offset and mask gradients ---
             if NEED_GOFF:
-                tl.store(goff_ptr + off_row + (2 * ch) * L, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
-                tl.store(goff_ptr + off_row + (2 * ch + 1) * L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                gy_row = off_row + (2 * ch).to(tl.int64) * L
+                tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
             if NEED_GMSK:
-                tl.store(gmsk_ptr + msk_row + ch * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
+                tl.store(gmsk_ptr + msk_row + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
 
 
 @triton.jit
@@ -452,7 +454,7 @@ def _deform_conv2d_bwd_weight_kernel(
         c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
         a = (((1.0 - ly) * (1.0 - lx) * mv)[:, None] * c00 + ((1.0 - ly) * lx * mv)[:, None] * c01
              + (ly * (1.0 - lx) * mv)[:, None] * c10 + (ly * lx * mv)[:, None] * c11)
-        go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n) * go_sc)[None, :],
+        go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
