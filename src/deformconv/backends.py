@@ -92,11 +92,12 @@ class TritonBackend(Backend):
         if device.type == "cuda":
             if not torch.cuda.is_available():
                 reasons.append("CUDA is not available")
-            elif _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 8 \
-                    and dtype == torch.bfloat16:
-                reasons.append(f"bfloat16 needs compute capability >= 8.0, {torch.cuda.get_device_name(device)} has less")
-            elif _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0] < 7:
-                reasons.append("Triton needs compute capability >= 7.0")
+            else:
+                major = _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0]
+                if major < 7:
+                    reasons.append("Triton needs compute capability >= 7.0")
+                elif major < 8 and dtype == torch.bfloat16:
+                    reasons.append(f"bfloat16 needs compute capability >= 8.0, {torch.cuda.get_device_name(device)} has less")
         elif device.type == "cpu":
             if not triton_interpret_mode():
                 reasons.append("CPU tensors run on Triton only under TRITON_INTERPRET=1 (the interpreter)")
