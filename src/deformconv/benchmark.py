@@ -213,16 +213,12 @@ def environment(device) -> dict:
 
 def table(records: Sequence[dict]) -> str:
     """Markdown table: each shape, dtype and pass with every implementation's median and the ratios."""
-    cols = []
-    for r in records:
-        label = r["impl"] if r["backend"] is None else f"{r['impl']}[{r['backend']}]"
-        if label not in cols:
-            cols.append(label)
+    def label(r):
+        return r["impl"] if r["backend"] is None else f"{r['impl']}[{r['backend']}]"
+
+    cols = list(dict.fromkeys(label(r) for r in records))
     records = [r for r in records if r.get("mode", "default") == "default"]
-    idx = {}
-    for r in records:
-        label = r["impl"] if r["backend"] is None else f"{r['impl']}[{r['backend']}]"
-        idx[(r["shape"], r["dtype"], r["pass"], label)] = r.get("median_ms")
+    idx = {(r["shape"], r["dtype"], r["pass"], label(r)): r.get("median_ms") for r in records}
     ours = [c for c in cols if c.startswith("deformconv")]
     head = ["pass", "shape", "dtype"] + [f"{c} ms" for c in cols]
     ratios = [f"{o}/conv2d" for o in ours if "conv2d" in cols] + [f"torchvision/{o}" for o in ours if "torchvision" in cols]

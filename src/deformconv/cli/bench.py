@@ -39,9 +39,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"deformconv bench: error: unknown shape(s) {unknown}; choose from {list(all_shapes)}")
     dtypes = args.dtypes or (["float16", "bfloat16", "float32"] if device.type == "cuda" else ["float32"])
-    # Every backend that runs here for the first dtype (the reference is too slow for the GPU shapes).
-    backends = [b for b in PRIORITY if not not_supported_reasons(device, torch.float32 if "float32" in dtypes else
-                                                                   benchmark.DTYPES[dtypes[0]])[b]]
+    # Every backend that runs here (judged for float32, else the first dtype asked for); on a GPU not the
+    # reference, which is too slow for the GPU shapes.
+    probe = torch.float32 if "float32" in dtypes else benchmark.DTYPES[dtypes[0]]
+    reasons = not_supported_reasons(device, probe)
+    backends = [b for b in PRIORITY if not reasons[b]]
     if device.type == "cuda":
         backends = [b for b in backends if b != "reference"] or backends
     try:
@@ -51,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         has_tv = False
     shapes = {n: all_shapes[n] for n in names}
-    print(f"deformconv bench on {device} ({benchmark.environment(device)['device']}), backends {backends}"
+    env = benchmark.environment(device)
+    print(f"deformconv bench on {device} ({env['device']}), backends {backends}"
           + ("" if has_tv else ", torchvision not installed"), flush=True)
     records = benchmark.run(shapes, dtypes, backends, args.passes, device, include_torchvision=has_tv,
                             log=lambda r: print(".", end="", flush=True))
@@ -59,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     print(benchmark.table(records))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"environment": benchmark.environment(device), "records": records}, f, indent=1)
+            json.dump({"environment": env, "records": records}, f, indent=1)
         print(f"wrote {args.json}")
     return 0

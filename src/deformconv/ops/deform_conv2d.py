@@ -557,18 +557,24 @@ def _shape_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has
             geo.kernel_w, has_mask, triton.next_power_of_2(m), torch.backends.cudnn.allow_tf32)
 
 
+def _prepare(input, offset, weight, mask, stride, padding, dilation):
+    """What every kernel reads: the geometry, the segment length, the input as NHWC, offset and mask
+    contiguous (the mask pointer falls back to the offset when there is none; it is then never read) and
+    the repacked weight."""
+    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+    off = offset.contiguous()
+    msk = mask.contiguous() if mask is not None else off
+    wp = pack_weight(weight.to(input.dtype), geo.groups)
+    return geo, segment_length(geo), _nhwc(input), off, msk, wp
+
+
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
     # --- check and prepare ---
-    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-    seg = segment_length(geo)
-    x = _nhwc(input)
-    off = offset.contiguous()
-    msk = mask.contiguous() if mask is not None else off
-    wp = pack_weight(weight.to(input.dtype), geo.groups)
+    geo, seg, x, off, msk, wp = _prepare(input, offset, weight, mask, stride, padding, dilation)
     b = bias.contiguous() if bias is not None else wp
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
@@ -602,13 +608,8 @@ def deform_conv2d_backward(
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_mask = bool(need_mask and mask is not None)
-    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-    seg = segment_length(geo)
-    x = _nhwc(input)
-    off = offset.contiguous()
-    msk = mask.contiguous() if mask is not None else off
+    geo, seg, x, off, msk, wp = _prepare(input, offset, weight, mask, stride, padding, dilation)
     go = _dense_positions(grad_out.to(input.dtype))
-    wp = pack_weight(weight.to(input.dtype), geo.groups)
     M = geo.batch * geo.out_h * geo.out_w
     cout_g = geo.out_channels // geo.groups
     meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
