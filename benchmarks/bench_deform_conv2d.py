@@ -36,7 +36,9 @@ def main(argv=None):
     records = run(shapes, args.dtypes, ["triton"], args.passes, "cuda", log=lambda r: print(json.dumps(r), flush=True),
                   deterministic=args.deterministic)
     env = environment("cuda")
-    md = table(records)
+    md = ("### Eager (`triton.testing.do_bench` median, ms)\n\n" + table(records)
+          + "\n\n### CUDA-graph replay (`do_bench_cudagraph` median, ms): GPU time without per-call CPU cost\n\n"
+          + table(records, "graph_ms"))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": env, "records": records}, f, indent=1)

@@ -33,6 +33,8 @@ CONFIGS = {
     "og3-groups2-segments": dict(n=1, cin=6, cout=4, h=5, w=4, kh=3, kw=3, groups=2, offset_groups=3, padding=1),
     "1x1-no-mask": dict(n=2, cin=3, cout=5, h=4, w=5, kh=1, kw=1, mask=None),
     "zero-mask-no-bias": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, mask="zero", bias=False),
+    "og4-packed-segments": dict(n=1, cin=16, cout=8, h=5, w=6, kh=3, kw=3, offset_groups=4, padding=1),
+    "groups2-og4-packed-tail": dict(n=1, cin=16, cout=4, h=4, w=5, kh=3, kw=3, groups=2, offset_groups=4, padding=1),
     "far-outside": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, offset_scale=20.0),
 }
 
@@ -206,3 +208,31 @@ def test_only_required_gradients_are_computed(monkeypatch):
     deformconv.deform_conv2d(x, offset, w, bias, **kwargs, backend="reference").sum().backward()
     assert seen == [[False, False, False, True, False]]
     assert w.grad is not None
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_repeated_shape_with_other_flags(backend, dtype):
+    """One shape called again with and without mask/bias, NCHW then channels_last, and with fewer
+    gradients: each call gets its own launch plan (the Triton backend caches them by call signature)."""
+    args, kwargs = make_case(n=2, cin=8, cout=6, h=5, w=7, kh=3, kw=3, offset_groups=2, padding=1, dtype=torch.float64, seed=31)
+    x, offset, weight, bias = args
+    variants = {
+        "dcnv2+bias": dict(bias=bias, mask=kwargs["mask"], x=x),
+        "dcnv1": dict(bias=None, mask=None, x=x),
+        "channels_last": dict(bias=bias, mask=kwargs["mask"], x=x.contiguous(memory_format=torch.channels_last)),
+        "dcnv2+bias again": dict(bias=bias, mask=kwargs["mask"], x=x),
+    }
+    for name, v in variants.items():
+        leaves64 = [v["x"], offset, weight, v["bias"], v["mask"]]
+        _compare(backend, dtype, leaves64, kwargs, torchvision.ops.deform_conv2d)
+    # only grad_offset and grad_weight asked for, on the same shape
+    leaves = [t.detach().to(dtype) for t in (x, offset, weight, bias, kwargs["mask"])]
+    leaves[1].requires_grad_(True)
+    leaves[2].requires_grad_(True)
+    out = deformconv.deform_conv2d(*leaves[:4], padding=1, mask=leaves[4], backend=backend)
+    g_off, g_w = torch.autograd.grad(out, leaves[1:3], torch.ones_like(out))
+    ref = [t.detach().double().requires_grad_(i in (1, 2)) for i, t in enumerate(leaves)]
+    ref_out = torchvision.ops.deform_conv2d(*ref[:4], padding=1, mask=ref[4])
+    r_off, r_w = torch.autograd.grad(ref_out, ref[1:3], torch.ones_like(ref_out))
+    assert_close(g_off, r_off, dtype, "grad_offset")
+    assert_close(g_w, r_w, dtype, "grad_weight")

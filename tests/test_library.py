@@ -92,3 +92,68 @@ def test_autocast_accepts_mixed_input_dtypes():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = deformconv.deform_conv2d(x, offset, weight.bfloat16(), bias, **kw)
     assert out.dtype == torch.bfloat16
+
+
+# --- the eager fast path (deformconv/eager.py) must be the op, minus the dispatcher ---
+
+
+def _grads_of(fn, backend):
+    x, offset, weight, bias, m, s, p, d, _ = _op_args(backend=backend, dtype=torch.float32 if backend == "triton" else torch.float64, seed=7)
+    out = fn(x, offset, weight, bias, m, s, p, d, backend)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    return [out] + [t.grad for t in (x, offset, weight, bias, m)]
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_eager_fast_path_equals_the_op_bitwise(backend):
+    torch.manual_seed(0)
+    fast = _grads_of(lambda x, o, w, b, m, s, p, d, be: deformconv.deform_conv2d(
+        x, o, w, b, stride=s, padding=p, dilation=d, mask=m, backend=be), backend)
+    torch.manual_seed(0)
+    op = _grads_of(torch.ops.deformconv.deform_conv2d, backend)
+    for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"], fast, op):
+        assert a is not None and b is not None, name
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+def test_eager_fast_path_is_taken_only_in_plain_eager():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from deformconv.eager import fast_path_ok
+
+    x = torch.randn(1, 2, 3, 3)
+    assert fast_path_ok([x, None, torch.nn.Parameter(x)], autocasting=False)
+    assert not fast_path_ok([x], autocasting=True)
+    assert not fast_path_ok([x.to("meta")], autocasting=False)
+    with FakeTensorMode() as mode:
+        assert not fast_path_ok([mode.from_tensor(x)], autocasting=False)
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        assert not fast_path_ok([x], autocasting=False)
+    seen = []
+    torch.vmap(lambda t: seen.append(fast_path_ok([t], autocasting=False)) or t)(x)
+    assert seen == [False]
+
+
+def test_meta_tensors_still_get_the_fake_impl():
+    args, kw = make_case(2, 4, 6, 6, 7, 3, 3, padding=1, dtype=torch.float32)
+    out = deformconv.deform_conv2d(*[t.to("meta") for t in args], **dict(kw, mask=kw["mask"].to("meta")))
+    assert out.device.type == "meta" and out.shape == (2, 6, 6, 7)
+
+
+@pytest.mark.parametrize("path", ["eager", "op"])
+def test_double_backward_raises_instead_of_a_silent_zero(path):
+    x, offset, weight, bias, m, s, p, d, be = _op_args()
+    if path == "eager":
+        out = deformconv.deform_conv2d(x, offset, weight, bias, stride=s, padding=p, dilation=d, mask=m)
+    else:
+        out = torch.ops.deformconv.deform_conv2d(x, offset, weight, bias, m, s, p, d, be)
+    (g,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
+        (g.square().sum() + out.sum()).backward()

@@ -180,6 +180,15 @@ def _measure(rec: dict, fn, shape: Shape, dtype: torch.dtype, device: torch.devi
         rec["extra_peak_mib"] = round(_extra_peak_mib(step), 1)
         rec["input_mib"] = round(args[0].numel() * args[0].element_size() / 2**20, 1)
     rec["median_ms"] = time_ms(step, device, grads)
+    if device.type == "cuda":
+        # The same step replayed from a CUDA graph: GPU time alone, without the per-call CPU (Python,
+        # launch) cost that bounds small shapes in eager mode.
+        from triton.testing import do_bench_cudagraph
+
+        try:
+            rec["graph_ms"] = do_bench_cudagraph(step, rep=100, grad_to_none=grads, return_mode="median")
+        except Exception as e:
+            rec["graph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
 def _chosen_configs() -> dict:
@@ -200,7 +209,8 @@ def environment(device) -> dict:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
-        "timer": "triton.testing.do_bench median (warmup 25 ms, rep 100 ms)" if device.type == "cuda"
+        "timer": "median_ms: triton.testing.do_bench median (warmup 25 ms, rep 100 ms); graph_ms: "
+                 "triton.testing.do_bench_cudagraph median (rep 100 ms)" if device.type == "cuda"
         else "wall-clock median of 5 runs after one warm-up",
     }
     for mod in ("triton", "torchvision"):
@@ -211,14 +221,15 @@ def environment(device) -> dict:
     return env
 
 
-def table(records: Sequence[dict]) -> str:
-    """Markdown table: each shape, dtype and pass with every implementation's median and the ratios."""
+def table(records: Sequence[dict], field: str = "median_ms") -> str:
+    """Markdown table: each shape, dtype and pass with every implementation's median (``field``:
+    "median_ms", eager do_bench, or "graph_ms", CUDA-graph replay) and the ratios."""
     def label(r):
         return r["impl"] if r["backend"] is None else f"{r['impl']}[{r['backend']}]"
 
     cols = list(dict.fromkeys(label(r) for r in records))
     records = [r for r in records if r.get("mode", "default") == "default"]
-    idx = {(r["shape"], r["dtype"], r["pass"], label(r)): r.get("median_ms") for r in records}
+    idx = {(r["shape"], r["dtype"], r["pass"], label(r)): r.get(field) for r in records}
     ours = [c for c in cols if c.startswith("deformconv")]
     head = ["pass", "shape", "dtype"] + [f"{c} ms" for c in cols]
     ratios = [f"{o}/conv2d" for o in ours if "conv2d" in cols] + [f"torchvision/{o}" for o in ours if "torchvision" in cols]

@@ -4,8 +4,7 @@ argument, what was expected and what came, before any kernel runs."""
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple, Union
+from typing import NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -13,9 +12,9 @@ from torch import Tensor
 IntPair = Union[int, Tuple[int, int], Sequence[int]]
 
 
-@dataclass(frozen=True)
-class ConvGeometry:
-    """Everything the kernels need to know about one deform_conv2d call, derived from the shapes."""
+class ConvGeometry(NamedTuple):
+    """Everything the kernels need to know about one deform_conv2d call, derived from the shapes (a
+    NamedTuple: built at every call, so it must be cheap)."""
 
     batch: int
     in_channels: int

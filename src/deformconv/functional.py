@@ -10,6 +10,16 @@ from torch import Tensor
 from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args
+from .eager import DeformConv2dFunction, fast_path_ok
+
+
+def _autocasting(input) -> bool:
+    if not isinstance(input, Tensor):
+        return False
+    try:
+        return torch.is_autocast_enabled(input.device.type)
+    except RuntimeError:  # a device type autocast does not know (meta, ...)
+        return False
 
 
 def deform_conv2d(
@@ -65,12 +75,13 @@ def deform_conv2d(
         >>> out.shape
         torch.Size([2, 16, 10, 12])
     """
-    autocasting = torch.is_autocast_enabled(input.device.type) if isinstance(input, Tensor) else False
+    autocasting = _autocasting(input)
     geo = check_deform_conv2d_args(
         input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocasting
     )
     if backend is not None:
         get_backend(backend)  # unknown names fail here, with the list of known ones
-    return torch.ops.deformconv.deform_conv2d(
-        input, offset, weight, bias, mask, list(geo.stride), list(geo.padding), list(geo.dilation), backend or ""
-    )
+    args = (input, offset, weight, bias, mask, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
+    if fast_path_ok([input, offset, weight, bias, mask], autocasting):
+        return DeformConv2dFunction.apply(*args)  # plain eager: the same impls, without the dispatcher
+    return torch.ops.deformconv.deform_conv2d(*args)

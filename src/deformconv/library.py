@@ -3,21 +3,33 @@ op, their fake (meta) implementations, the autograd formula and the autocast rul
 
 Both ops take ``backend`` (a name, or "" for automatic) and pick their implementation at run time through
 :mod:`deformconv.backends`, so torch.compile and torch.export see one opaque op and no graph break.
+``forward_impl`` and ``backward_impl`` are what the ops run; the eager fast path (:mod:`deformconv.eager`)
+runs the same two functions without the custom-op dispatcher.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .backends import get_backend, select_backend
+from .backends import ENV_VAR, get_backend, select_backend
 from .checks import geometry_from_tensors, suggest_memory_format
 
 
 def _backend_for(t: Tensor, requested: str):
-    return get_backend(select_backend(t.device, t.dtype, requested or None))
+    env = (os.environ.get(ENV_VAR), os.environ.get("TRITON_INTERPRET"))
+    return _selected(t.device, t.dtype, requested or None, env)
+
+
+@functools.lru_cache(maxsize=256)
+def _selected(device: torch.device, dtype: torch.dtype, requested: Optional[str], env: tuple):
+    """The backend for one (device, dtype, request, environment): chosen once, not at every call. A
+    choice that raises is not cached."""
+    return get_backend(select_backend(device, dtype, requested))
 
 
 # --- forward op ----------------------------------------------------------------------------------------
@@ -35,10 +47,14 @@ def deform_conv2d_op(
     dilation: List[int],
     backend: str,
 ) -> Tensor:
+    return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
+
+
+def forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend: str) -> Tensor:
+    """The forward on the selected backend (an empty batch needs none)."""
     if input.shape[0] == 0:
         return _empty_output(input, offset, weight, stride, padding, dilation)
-    impl = _backend_for(input, backend)
-    return impl.forward(input, offset, weight, bias, mask, stride, padding, dilation)
+    return _backend_for(input, backend).forward(input, offset, weight, bias, mask, stride, padding, dilation)
 
 
 def _empty_output(input, offset, weight, stride, padding, dilation) -> Tensor:
@@ -72,13 +88,18 @@ def deform_conv2d_backward_op(
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Gradients (input, offset, mask, weight, bias). One that ``needs`` does not ask for (or grad_mask
     without a mask) comes back as an empty tensor."""
+    grads = backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
+    # Each unwanted gradient is its own empty tensor: outputs of a custom op may not alias each other.
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
+
+
+def backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend: str):
+    """Gradients (input, offset, mask, weight, bias) on the selected backend; None where ``needs`` is False."""
     if input.shape[0] == 0:
         grads = _zero_grads(input, offset, weight, mask, grad_out)
     else:
-        impl = _backend_for(input, backend)
-        grads = impl.backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs)
-    # Each unwanted gradient is its own empty tensor: outputs of a custom op may not alias each other.
-    return tuple(g if (g is not None and need) else input.new_empty(0) for g, need in zip(grads, needs))  # type: ignore[return-value]
+        grads = _backend_for(input, backend).backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs)
+    return tuple(g if need else None for g, need in zip(grads, needs))
 
 
 def _zero_grads(input, offset, weight, mask, grad_out):
@@ -111,11 +132,17 @@ def _setup_context(ctx, inputs, output):
     ctx.params = (stride, padding, dilation, backend)
 
 
+def grad_needs(needs_input_grad, has_bias: bool, has_mask: bool) -> List[bool]:
+    """Which of (input, offset, mask, weight, bias) need a gradient, from the forward's needs_input_grad
+    (ordered input, offset, weight, bias, mask, ...)."""
+    n_in, n_off, n_w, n_b, n_mask = needs_input_grad[:5]
+    return [bool(n_in), bool(n_off), bool(n_mask and has_mask), bool(n_w), bool(n_b and has_bias)]
+
+
 def _backward(ctx, grad_out):
     input, offset, weight, mask = ctx.saved_tensors
     stride, padding, dilation, backend = ctx.params
-    n_in, n_off, n_w, n_b, n_mask = ctx.needs_input_grad[:5]
-    needs = [bool(n_in), bool(n_off), bool(n_mask and ctx.has_mask), bool(n_w), bool(n_b and ctx.has_bias)]
+    needs = grad_needs(ctx.needs_input_grad, ctx.has_bias, ctx.has_mask)
     if not any(needs):
         return (None,) * 9
     g_in, g_off, g_mask, g_w, g_b = deform_conv2d_backward_op(

@@ -52,6 +52,38 @@ def segment_length(geo: ConvGeometry) -> int:
     return math.gcd(geo.in_channels // geo.groups, geo.in_channels // geo.offset_groups)
 
 
+def _short_segments(geo: ConvGeometry, seg: int, kind: str) -> bool:
+    """Whether a K chunk packs several segments (each with its own sample point): segments shorter than a
+    tensor-core K step and a power of two; for the grad_input/offset/mask kernel also one offset group
+    each, so that a chunk holds whole offset groups."""
+    if seg >= 16 or seg & (seg - 1):
+        return False
+    return kind != "bwd_data" or seg == geo.in_channels // geo.offset_groups
+
+
+def _k_run(geo: ConvGeometry, seg: int, kind: str) -> int:
+    """The channel run one K chunk lies in: the whole conv group when segments are packed, else a segment."""
+    return geo.in_channels // geo.groups if _short_segments(geo, seg, kind) else seg
+
+
+def segments_per_chunk(geo: ConvGeometry, seg: int, block_k: int, kind: str) -> int:
+    """NSEG: 1 when a chunk lies in one segment, else block_k // seg."""
+    return block_k // seg if _short_segments(geo, seg, kind) else 1
+
+
+def _even_k(geo: ConvGeometry, seg: int, block_k: int, kind: str) -> bool:
+    """No channel mask needed: the run a chunk lies in is a multiple of block_k."""
+    return _k_run(geo, seg, kind) % block_k == 0
+
+
+def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
+    """grad_weight programs along K: groups x taps x (segments x chunks, or chunks of packed segments)."""
+    cin_g = geo.in_channels // geo.groups
+    if _short_segments(geo, seg, "bwd_weight"):
+        return geo.groups * geo.taps * triton.cdiv(cin_g, block_k)
+    return geo.groups * geo.taps * (cin_g // seg) * triton.cdiv(seg, block_k)
+
+
 def _unique(cands: List[Config]) -> List[Config]:
     return list(dict.fromkeys(cands))
 
@@ -63,7 +95,7 @@ def _unique(cands: List[Config]) -> List[Config]:
 
 def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
+    bk = _pow2_clamp(_k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     if cout_g >= 256 and dtype != torch.float32:
         cands = [Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
@@ -75,7 +107,7 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
 
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
+    bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     first = Config(64, 128, bk, 8) if cout_g >= 256 else Config(64, _pow2_clamp(cout_g, 16, 64), min(bk, 32), 4)
     return _unique([first, Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4), Config(128, _pow2_clamp(cout_g, 16, 64), bk, 8),
                     Config(64, _pow2_clamp(cout_g, 16, 128), bk, 8)])
@@ -83,15 +115,14 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> Lis
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
-    bk = _pow2_clamp(seg, 16, 64 if dtype != torch.float32 else 32)
+    bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     shapes = [(128, _pow2_clamp(cout_g, 16, 128), bk, 8), (64, _pow2_clamp(cout_g, 16, 256), bk, 8),
               (64, _pow2_clamp(cout_g, 16, 128), bk, 4), (64, _pow2_clamp(cout_g, 16, 64), bk, 4)]
     if cout_g >= 256 and dtype != torch.float32:
         shapes[0], shapes[1] = shapes[1], shapes[0]
     cands = []
     for bm, bn, kk, warps in shapes:
-        rows = geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, kk)
-        tiles = rows * triton.cdiv(cout_g, bn)
+        tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
         cands.append(Config(bm, bn, kk, warps, split=_split_for(geo, tiles, bm, device)))
     return _unique(cands)
 
@@ -212,6 +243,29 @@ def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.con
 
 
 @triton.jit
+def _load_corners_3d(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
+    """The 4 bilinear corners [BM, NSEG, SEG] (fp32, zero outside the image or for masked-off segments):
+    p00 and the masks are [BM, NSEG] (one sample point per segment), cc [NSEG, SEG] the channels."""
+    ptrs = ptr + p00[:, :, None] + cc[None, :, :]
+    row = W * CIN
+    c00 = tl.load(ptrs, mask=v00[:, :, None], other=0.0)
+    c01 = tl.load(ptrs + CIN, mask=v01[:, :, None], other=0.0)
+    c10 = tl.load(ptrs + row, mask=v10[:, :, None], other=0.0)
+    c11 = tl.load(ptrs + row + CIN, mask=v11[:, :, None], other=0.0)
+    return c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+
+
+@triton.jit
+def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK: tl.constexpr, L,
+                         y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK: tl.constexpr):
+    """_sample_point for a K chunk of NSEG short segments: one sample point per (position, segment), all
+    [BM, NSEG]. c_first [NSEG] is each segment's first channel, seg_ok [NSEG] which segments exist."""
+    ch = (c_first // COG) * KK + tap
+    return _sample_point(off_ptr, msk_ptr, off_row[:, None], msk_row[:, None], ch[None, :], L, y_ref[:, None],
+                         x_ref[:, None], pix_base[:, None], H, W, CIN, m_valid[:, None] & seg_ok[None, :], HAS_MASK)
+
+
+@triton.jit
 def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M: tl.constexpr):
     """Per output position of this M tile: validity, image index, l = ho*Wo + wo (int64, for addresses), the
     NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point."""
@@ -249,6 +303,7 @@ def _deform_conv2d_fwd_kernel(
     # meta
     KH: tl.constexpr, KW: tl.constexpr,
     SEG: tl.constexpr,                 # channels per segment (one conv group and one offset group)
+    NSEG: tl.constexpr,                # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -269,32 +324,57 @@ def _deform_conv2d_fwd_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    # --- K loop: taps x segments x channel chunks ---
-    for tap in range(KK):
-        i = tap // KW
-        j = tap - i * KW
-        y_ref = y_out + (i * DIL_H).to(tl.float32)
-        x_ref = x_out + (j * DIL_W).to(tl.float32)
-        for s in range(CIN_G // SEG):
-            c_lo = gc * CIN_G + s * SEG
-            ch = (c_lo // COG) * KK + tap
-            p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
-                off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-            w00 = (1.0 - ly) * (1.0 - lx) * mv
-            w01 = (1.0 - ly) * lx * mv
-            w10 = ly * (1.0 - lx) * mv
-            w11 = ly * lx * mv
-            w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
-            for c0 in range(0, SEG, BLOCK_K):
-                k_ok = c0 + offs_k < SEG
-                c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-                a = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
-                b_ptrs = w_ptr + (w_row + c0 + offs_k)[:, None] * COUT_G + offs_n[None, :]
+    # --- K loop, short segments: taps x chunks of NSEG segments, one sample point per segment ---
+    if NSEG > 1:
+        offs_s = tl.arange(0, NSEG)
+        offs_t = tl.arange(0, SEG)
+        for tap in range(KK):
+            i = tap // KW
+            j = tap - i * KW
+            y_ref = y_out + (i * DIL_H).to(tl.float32)
+            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            for c0 in range(0, CIN_G, BLOCK_K):
+                c_first = gc * CIN_G + c0 + offs_s * SEG
+                p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
+                    off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
+                    y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+                c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
+                a3 = (((1.0 - ly) * (1.0 - lx) * mv)[:, :, None] * c00 + ((1.0 - ly) * lx * mv)[:, :, None] * c01
+                      + (ly * (1.0 - lx) * mv)[:, :, None] * c10 + (ly * lx * mv)[:, :, None] * c11)
+                a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+                w_rows = ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64)
+                b_ptrs = w_ptr + w_rows[:, None] * COUT_G + offs_n[None, :]
                 if EVEN_K:
                     b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
                 else:
-                    b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    b = tl.load(b_ptrs, mask=(c0 + offs_k < CIN_G)[:, None] & n_ok[None, :], other=0.0)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
+        for tap in range(KK):
+            i = tap // KW
+            j = tap - i * KW
+            y_ref = y_out + (i * DIL_H).to(tl.float32)
+            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            for s in range(CIN_G // SEG):
+                c_lo = gc * CIN_G + s * SEG
+                ch = (c_lo // COG) * KK + tap
+                p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                    off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+                w00 = (1.0 - ly) * (1.0 - lx) * mv
+                w01 = (1.0 - ly) * lx * mv
+                w10 = ly * (1.0 - lx) * mv
+                w11 = ly * lx * mv
+                w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
+                for c0 in range(0, SEG, BLOCK_K):
+                    k_ok = c0 + offs_k < SEG
+                    c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+                    a = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                    b_ptrs = w_ptr + (w_row + c0 + offs_k)[:, None] * COUT_G + offs_n[None, :]
+                    if EVEN_K:
+                        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+                    else:
+                        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
 
     # --- epilogue: bias, store in the output's layout ---
     co = gc * COUT_G + offs_n
@@ -324,6 +404,7 @@ def _deform_conv2d_bwd_data_kernel(
     go_sn, go_sl, go_sc,
     # meta
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr,
+    NSEG: tl.constexpr,           # segments per K chunk; > 1 only when each offset group is one segment
     NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -341,59 +422,114 @@ def _deform_conv2d_bwd_data_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     go_row = n_img * go_sn + l * go_sl
 
-    for tap in range(KK):
-        i = tap // KW
-        j = tap - i * KW
-        y_ref = y_out + (i * DIL_H).to(tl.float32)
-        x_ref = x_out + (j * DIL_W).to(tl.float32)
-        for og in range(G):
-            ch = og * KK + tap
-            p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
-                off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-            hy = 1.0 - ly
-            hx = 1.0 - lx
-            g_y = tl.zeros_like(ly)
-            g_x = tl.zeros_like(ly)
-            g_m = tl.zeros_like(ly)
-            for s in range(COG // SEG):
-                c_lo = og * COG + s * SEG
-                gc = c_lo // CIN_G
-                w_row = ((gc * KK + tap) * CIN_G + (c_lo - gc * CIN_G)).to(tl.int64)
-                for c0 in range(0, SEG, BLOCK_K):
-                    k_ok = c0 + offs_k < SEG
-                    cc = c_lo + c0 + offs_k
+    if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
+        offs_s = tl.arange(0, NSEG)
+        offs_t = tl.arange(0, SEG)
+        for tap in range(KK):
+            i = tap // KW
+            j = tap - i * KW
+            y_ref = y_out + (i * DIL_H).to(tl.float32)
+            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            for gc in range(CIN // CIN_G):
+                for c0 in range(0, CIN_G, BLOCK_K):
+                    k_ok = c0 + offs_k < CIN_G
+                    seg_ok = c0 + offs_s * SEG < CIN_G
+                    c_first = gc * CIN_G + c0 + offs_s * SEG
+                    w_row = ((gc * KK + tap) * CIN_G + c0).to(tl.int64)
                     # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
                     gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
                     for n0 in range(0, COUT_G, BLOCK_N):
                         n_ok = n0 + offs_n < COUT_G
                         go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
                                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
-                        wt = tl.load(w_ptr + (w_row + c0 + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
+                        wt = tl.load(w_ptr + (w_row + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
                                      mask=k_ok[None, :] & n_ok[:, None], other=0.0)
                         gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
-                    # --- corners, reductions over channels, scatter ---
-                    c00, c01, c10, c11 = _load_corners(x_ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+                    # --- corners [BM, NSEG, SEG], reductions over each group's channels, scatter ---
+                    p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
+                        off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
+                        y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+                    hy = 1.0 - ly
+                    hx = 1.0 - lx
+                    cc = c_first[:, None] + offs_t[None, :]
+                    c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, cc, v00, v01, v10, v11, W, CIN)
+                    g3 = tl.reshape(gcol, (BLOCK_M, NSEG, SEG))
+                    ch = (c_first // COG) * KK + tap
+                    done = m_valid[:, None] & seg_ok[None, :]
                     if NEED_GMSK:
-                        val = (hy * hx)[:, None] * c00 + (hy * lx)[:, None] * c01 + (ly * hx)[:, None] * c10 + (ly * lx)[:, None] * c11
-                        g_m += tl.sum(gcol * val, axis=1)
-                    gval = gcol * mv[:, None]
+                        val = ((hy * hx)[:, :, None] * c00 + (hy * lx)[:, :, None] * c01
+                               + (ly * hx)[:, :, None] * c10 + (ly * lx)[:, :, None] * c11)
+                        g_m = tl.sum(g3 * val, axis=2)
+                        tl.store(gmsk_ptr + msk_row[:, None] + (ch.to(tl.int64) * L)[None, :],
+                                 g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
+                    gval = g3 * mv[:, :, None]
                     if NEED_GOFF:
-                        g_y += tl.sum(gval * (hx[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
-                        g_x += tl.sum(gval * (hy[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                        g_y = tl.sum(gval * (hx[:, :, None] * (c10 - c00) + lx[:, :, None] * (c11 - c01)), axis=2)
+                        g_x = tl.sum(gval * (hy[:, :, None] * (c01 - c00) + ly[:, :, None] * (c11 - c10)), axis=2)
+                        gy_row = off_row[:, None] + ((2 * ch).to(tl.int64) * L)[None, :]
+                        tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
+                        tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
                     if NEED_GIN:
-                        ptrs = gin_ptr + p00[:, None] + cc[None, :]
+                        ptrs = gin_ptr + p00[:, :, None] + cc[None, :, :]
                         row = W * CIN
-                        tl.atomic_add(ptrs, gval * (hy * hx)[:, None], mask=v00[:, None] & k_ok[None, :], sem="relaxed")
-                        tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, None], mask=v01[:, None] & k_ok[None, :], sem="relaxed")
-                        tl.atomic_add(ptrs + row, gval * (ly * hx)[:, None], mask=v10[:, None] & k_ok[None, :], sem="relaxed")
-                        tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, None], mask=v11[:, None] & k_ok[None, :], sem="relaxed")
-            # --- this (tap, offset group) is complete: store its offset and mask gradients ---
-            if NEED_GOFF:
-                gy_row = off_row + (2 * ch).to(tl.int64) * L
-                tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
-                tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
-            if NEED_GMSK:
-                tl.store(gmsk_ptr + msk_row + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
+                        tl.atomic_add(ptrs, gval * (hy * hx)[:, :, None], mask=v00[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, :, None], mask=v01[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + row, gval * (ly * hx)[:, :, None], mask=v10[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, :, None], mask=v11[:, :, None], sem="relaxed")
+    else:  # --- taps x offset groups x segments x channel chunks ---
+        for tap in range(KK):
+            i = tap // KW
+            j = tap - i * KW
+            y_ref = y_out + (i * DIL_H).to(tl.float32)
+            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            for og in range(G):
+                ch = og * KK + tap
+                p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                    off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+                hy = 1.0 - ly
+                hx = 1.0 - lx
+                g_y = tl.zeros_like(ly)
+                g_x = tl.zeros_like(ly)
+                g_m = tl.zeros_like(ly)
+                for s in range(COG // SEG):
+                    c_lo = og * COG + s * SEG
+                    gc = c_lo // CIN_G
+                    w_row = ((gc * KK + tap) * CIN_G + (c_lo - gc * CIN_G)).to(tl.int64)
+                    for c0 in range(0, SEG, BLOCK_K):
+                        k_ok = c0 + offs_k < SEG
+                        cc = c_lo + c0 + offs_k
+                        # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
+                        gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+                        for n0 in range(0, COUT_G, BLOCK_N):
+                            n_ok = n0 + offs_n < COUT_G
+                            go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
+                                         mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+                            wt = tl.load(w_ptr + (w_row + c0 + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
+                                         mask=k_ok[None, :] & n_ok[:, None], other=0.0)
+                            gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
+                        # --- corners, reductions over channels, scatter ---
+                        c00, c01, c10, c11 = _load_corners(x_ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+                        if NEED_GMSK:
+                            val = (hy * hx)[:, None] * c00 + (hy * lx)[:, None] * c01 + (ly * hx)[:, None] * c10 + (ly * lx)[:, None] * c11
+                            g_m += tl.sum(gcol * val, axis=1)
+                        gval = gcol * mv[:, None]
+                        if NEED_GOFF:
+                            g_y += tl.sum(gval * (hx[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+                            g_x += tl.sum(gval * (hy[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                        if NEED_GIN:
+                            ptrs = gin_ptr + p00[:, None] + cc[None, :]
+                            row = W * CIN
+                            tl.atomic_add(ptrs, gval * (hy * hx)[:, None], mask=v00[:, None] & k_ok[None, :], sem="relaxed")
+                            tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, None], mask=v01[:, None] & k_ok[None, :], sem="relaxed")
+                            tl.atomic_add(ptrs + row, gval * (ly * hx)[:, None], mask=v10[:, None] & k_ok[None, :], sem="relaxed")
+                            tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, None], mask=v11[:, None] & k_ok[None, :], sem="relaxed")
+                # --- this (tap, offset group) is complete: store its offset and mask gradients ---
+                if NEED_GOFF:
+                    gy_row = off_row + (2 * ch).to(tl.int64) * L
+                    tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                    tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                if NEED_GMSK:
+                    tl.store(gmsk_ptr + msk_row + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
 
 
 @triton.jit
@@ -413,6 +549,7 @@ def _deform_conv2d_bwd_weight_kernel(
     go_sn, go_sl, go_sc,
     # meta
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
+    NSEG: tl.constexpr,           # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -424,8 +561,13 @@ def _deform_conv2d_bwd_weight_kernel(
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
     KK: tl.constexpr = KH * KW
-    n_kb = tl.cdiv(SEG, BLOCK_K)
-    n_seg = CIN_G // SEG
+    if NSEG > 1:  # a chunk spans NSEG short segments of the group
+        K_RUN = CIN_G
+        n_seg = 1
+    else:  # a chunk lies in one segment
+        K_RUN = SEG
+        n_seg = CIN_G // SEG
+    n_kb = tl.cdiv(K_RUN, BLOCK_K)
     kb = pid_row % n_kb
     r = pid_row // n_kb
     s = r % n_seg
@@ -437,7 +579,7 @@ def _deform_conv2d_bwd_weight_kernel(
     c_lo = gc * CIN_G + s * SEG
     ch = (c_lo // COG) * KK + tap
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
-    k_ok = offs_k < SEG
+    k_ok = offs_k < K_RUN
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < COUT_G
     L = HO * WO
@@ -449,11 +591,23 @@ def _deform_conv2d_bwd_weight_kernel(
             mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
         y_ref = y_out + (i * DIL_H).to(tl.float32)
         x_ref = x_out + (j * DIL_W).to(tl.float32)
-        p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
-            off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-        c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-        a = (((1.0 - ly) * (1.0 - lx) * mv)[:, None] * c00 + ((1.0 - ly) * lx * mv)[:, None] * c01
-             + (ly * (1.0 - lx) * mv)[:, None] * c10 + (ly * lx * mv)[:, None] * c11)
+        if NSEG > 1:
+            offs_s = tl.arange(0, NSEG)
+            offs_t = tl.arange(0, SEG)
+            c_first = c_lo + kb * BLOCK_K + offs_s * SEG
+            p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
+                off_ptr, msk_ptr, off_row, msk_row, c_first, kb * BLOCK_K + offs_s * SEG < CIN_G, tap, COG, KK, L,
+                y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+            c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
+            a3 = (((1.0 - ly) * (1.0 - lx) * mv)[:, :, None] * c00 + ((1.0 - ly) * lx * mv)[:, :, None] * c01
+                  + (ly * (1.0 - lx) * mv)[:, :, None] * c10 + (ly * lx * mv)[:, :, None] * c11)
+            a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+        else:
+            p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+            c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+            a = (((1.0 - ly) * (1.0 - lx) * mv)[:, None] * c00 + ((1.0 - ly) * lx * mv)[:, None] * c01
+                 + (ly * (1.0 - lx) * mv)[:, None] * c10 + (ly * lx * mv)[:, None] * c11)
         go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
@@ -485,10 +639,19 @@ def _transpose_kernel(
 # --- launchers -----------------------------------------------------------------------------------------
 
 
+_TRANSPOSES: Dict[tuple, "_Launch"] = {}
+
+
 def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
     """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype."""
-    grid = (triton.cdiv(a, 64), triton.cdiv(b, 64), src.shape[0])
-    _transpose_kernel[grid](src, out, a, b, BLOCK_A=64, BLOCK_B=64, num_warps=4)
+    key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    run = _TRANSPOSES.get(key)
+    if run is None:
+        if len(_TRANSPOSES) >= _MAX_PLANS:
+            _TRANSPOSES.clear()
+        grid = (triton.cdiv(a, 64), triton.cdiv(b, 64), src.shape[0])
+        run = _TRANSPOSES[key] = _Launch(_transpose_kernel, grid, (a, b), dict(BLOCK_A=64, BLOCK_B=64, num_warps=4))
+    run(src, out)
     return out
 
 
@@ -557,15 +720,65 @@ def _shape_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has
             geo.kernel_w, has_mask, triton.next_power_of_2(m), torch.backends.cudnn.allow_tf32)
 
 
-def _prepare(input, offset, weight, mask, stride, padding, dilation):
-    """What every kernel reads: the geometry, the segment length, the input as NHWC, offset and mask
-    contiguous (the mask pointer falls back to the offset when there is none; it is then never read) and
-    the repacked weight."""
-    geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+# A launch plan per call signature (shapes, strides, dtype, device, geometry, flags, pointer alignment): the
+# geometry, the chosen configs, grids and the kernels' runtime arguments, worked out once. At small shapes
+# the Python that derives them, and Triton's own per-call argument handling, cost as much as the kernels.
+_PLANS: Dict[tuple, dict] = {}
+_MAX_PLANS = 512
+
+
+def _plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding,
+              dilation, pointers: Sequence[Tensor], *extra) -> tuple:
+    # Triton specialises a kernel on each pointer's 16-byte alignment: part of the key.
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in pointers)
+    return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape,
+            mask is None, tuple(stride), tuple(padding), tuple(dilation), torch.backends.cudnn.allow_tf32,
+            autotune_enabled(), aligned, *extra)
+
+
+def _remember(key: tuple, plan: dict) -> dict:
+    if len(_PLANS) >= _MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
+
+
+def fast_launch_enabled() -> bool:
+    return os.environ.get("DEFORMCONV_FAST_LAUNCH", "1") not in ("", "0")
+
+
+class _Launch:
+    """One kernel launch of a plan: grid, runtime arguments and constexprs fixed, tensors given per call.
+
+    The first call goes through Triton's JIT (compiling if needed). Later calls hand the tensors straight to
+    the compiled kernel's launcher, skipping Triton's per-call argument binding, specialisation and cache
+    lookup (tens of microseconds of Python a launch). That is valid because the plan key fixes everything
+    Triton specialises on: the integer arguments, the dtypes and each pointer's alignment. Under the
+    interpreter, or with DEFORMCONV_FAST_LAUNCH=0, every call goes through the JIT."""
+
+    def __init__(self, fn, grid: tuple, args: tuple, meta: dict):
+        self.fn, self.grid, self.args, self.meta = fn, grid, args, meta
+        self.runner = None
+        self.tail: tuple = ()
+
+    def __call__(self, *tensors: Tensor) -> None:
+        if self.runner is not None:
+            self.runner(*tensors, *self.args, *self.tail)
+            return
+        compiled = self.fn[self.grid](*tensors, *self.args, **self.meta)
+        if fast_launch_enabled() and hasattr(compiled, "packed_metadata") and hasattr(compiled, "__getitem__"):
+            # the launcher takes every parameter in signature order, constexprs included
+            names = self.fn.arg_names[len(tensors) + len(self.args):]
+            self.tail = tuple(self.meta[n] for n in names)
+            self.runner = compiled[self.grid]
+
+
+def _prepare(input, offset, weight, mask):
+    """What every kernel reads: the input as NHWC, offset and mask contiguous (the mask pointer falls back
+    to the offset when there is none; it is then never read) and the repacked weight."""
     off = offset.contiguous()
     msk = mask.contiguous() if mask is not None else off
-    wp = pack_weight(weight.to(input.dtype), geo.groups)
-    return geo, segment_length(geo), _nhwc(input), off, msk, wp
+    return _nhwc(input), off, msk, pack_weight(weight.to(input.dtype), input.shape[1] // weight.shape[1])
 
 
 def deform_conv2d_forward(
@@ -574,28 +787,38 @@ def deform_conv2d_forward(
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
     # --- check and prepare ---
-    geo, seg, x, off, msk, wp = _prepare(input, offset, weight, mask, stride, padding, dilation)
+    x, off, msk, wp = _prepare(input, offset, weight, mask)
     b = bias.contiguous() if bias is not None else wp
+    key = _plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, b), bias is None)
+    plan = _PLANS.get(key)
+    if plan is None:
+        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+        plan = dict(geo=geo, seg=segment_length(geo), memory_format=suggest_memory_format(input))
+    geo, seg = plan["geo"], plan["seg"]
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
-                      memory_format=suggest_memory_format(input))
-    M = geo.batch * geo.out_h * geo.out_w
-    cout_g = geo.out_channels // geo.groups
+                      memory_format=plan["memory_format"])
 
     # --- launch ---
-    def launch(cfg: Config):
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(cout_g, cfg.block_n), geo.groups)
-        _deform_conv2d_fwd_kernel[grid](
-            x, off, msk, wp, b, out,
-            *_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out),
-            KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None, HAS_BIAS=bias is not None,
-            EVEN_K=seg % cfg.block_k == 0, DOT_PRECISION=_dot_precision(input.dtype),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+    def launch(cfg: Config) -> _Launch:
+        M = geo.batch * geo.out_h * geo.out_w
+        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n), geo.groups)
+        args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
+        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "fwd"),
+                    HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
+                    DOT_PRECISION=_dot_precision(input.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
+        run(x, off, msk, wp, b, out)
+        return run
 
-    key = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
-    launch(_pick_config(key, _fwd_candidates(geo, seg, input.dtype), launch, input.device))
+    if "fwd" in plan:
+        plan["fwd"](x, off, msk, wp, b, out)
+    else:
+        shape_class = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
+        cfg = _pick_config(shape_class, _fwd_candidates(geo, seg, input.dtype), launch, input.device)
+        plan["fwd"] = launch(cfg)
+        _remember(key, plan)
     return out
 
 
@@ -608,16 +831,24 @@ def deform_conv2d_backward(
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_mask = bool(need_mask and mask is not None)
-    geo, seg, x, off, msk, wp = _prepare(input, offset, weight, mask, stride, padding, dilation)
     go = _dense_positions(grad_out.to(input.dtype))
+    x, off, msk, wp = _prepare(input, offset, weight, mask)
+    deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
+    atomic_gin = bool(need_in and not deterministic)
+    key = _plan_key("bwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, go), go.stride(),
+                    atomic_gin, bool(need_off), need_mask, bool(need_w))
+    plan = _PLANS.get(key)
+    if plan is None:
+        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+        seg = segment_length(geo)
+        args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
+        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
+                    DOT_PRECISION=_dot_precision(input.dtype))
+        plan = dict(geo=geo, seg=seg, args=args, meta=meta)
+    geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
     M = geo.batch * geo.out_h * geo.out_w
     cout_g = geo.out_channels // geo.groups
-    meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
-                DOT_PRECISION=_dot_precision(input.dtype))
-    args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
     grad_in = grad_off = grad_mask = grad_w = grad_b = None
-    deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
-    atomic_gin = need_in and not deterministic
 
     # --- grad_input (atomics), grad_offset, grad_mask ---
     if atomic_gin or need_off or need_mask:
@@ -626,19 +857,25 @@ def deform_conv2d_backward(
         goff = torch.empty_like(off) if need_off else off
         gmsk = torch.empty_like(msk) if need_mask else off
 
-        def launch_data(cfg: Config):
-            _deform_conv2d_bwd_data_kernel[(triton.cdiv(M, cfg.block_m),)](
-                x, off, msk, wp, go, gin, goff, gmsk, *args, **meta,
-                NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask, EVEN_K=seg % cfg.block_k == 0,
-                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
+        def launch_data(cfg: Config) -> _Launch:
+            data_meta = dict(meta, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "bwd_data"), NEED_GIN=atomic_gin,
+                             NEED_GOFF=need_off, NEED_GMSK=need_mask, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"),
+                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            run = _Launch(_deform_conv2d_bwd_data_kernel, (triton.cdiv(M, cfg.block_m),), args, data_meta)
+            run(x, off, msk, wp, go, gin, goff, gmsk)
+            return run
 
-        key = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (atomic_gin, need_off, need_mask)
-        cfg = _pick_config(key, _bwd_data_candidates(geo, seg, input.dtype), launch_data, input.device)
-        if atomic_gin:
-            gin.zero_()  # after any tuning runs, which accumulate into it too
-        launch_data(cfg)
+        if "data" not in plan:
+            shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (atomic_gin, need_off, need_mask)
+            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype), launch_data, input.device)
+            if atomic_gin:
+                gin.zero_()  # after any tuning runs, which accumulate into it too
+            plan["data"] = launch_data(cfg)
+        else:
+            if atomic_gin:
+                gin.zero_()
+            plan["data"](x, off, msk, wp, go, gin, goff, gmsk)
         if atomic_gin:
             grad_in = _from_nhwc(gin, input)
         grad_off = goff if need_off else None
@@ -653,27 +890,35 @@ def deform_conv2d_backward(
 
     # --- grad_weight: split-M partial sums, added in a fixed order ---
     if need_w:
-        n_kb = lambda cfg: geo.groups * geo.taps * ((geo.in_channels // geo.groups) // seg) * triton.cdiv(seg, cfg.block_k)  # noqa: E731
-        parts = {}
+        def partials(split: int) -> Tensor:
+            return torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
+                               dtype=torch.float32, device=input.device)
 
         def launch_weight(cfg: Config):
-            part = parts.get(cfg.split)
-            if part is None:
-                part = parts[cfg.split] = torch.empty(
-                    (cfg.split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g), dtype=torch.float32,
-                    device=input.device)
-            _deform_conv2d_bwd_weight_kernel[(n_kb(cfg), triton.cdiv(cout_g, cfg.block_n), cfg.split)](
-                x, off, msk, go, part, *args[:10], geo.groups, cfg.split, *args[10:], **meta,
-                EVEN_K=seg % cfg.block_k == 0, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            )
-            return part
+            part = partials(cfg.split)
+            grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
+            weight_meta = dict(meta, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight"),
+                               EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"), BLOCK_M=cfg.block_m,
+                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                               num_stages=cfg.num_stages)
+            run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
+                          weight_meta)
+            run(x, off, msk, go, part)
+            return part, run
 
-        key = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
-        cfg = _pick_config(key, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
-        part = launch_weight(cfg)
+        if "weight" in plan:
+            split, run = plan["weight"]
+            part = partials(split)
+            run(x, off, msk, go, part)
+        else:
+            shape_class = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
+            cfg = _pick_config(
+                shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
+            part, run = launch_weight(cfg)
+            plan["weight"] = (cfg.split, run)
         grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups).to(weight.dtype).contiguous(
             memory_format=suggest_memory_format(weight))
     if need_b:
         grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
+    _remember(key, plan)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
