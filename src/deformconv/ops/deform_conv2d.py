@@ -757,16 +757,21 @@ class _Launch:
     interpreter, or with DEFORMCONV_FAST_LAUNCH=0, every call goes through the JIT."""
 
     def __init__(self, fn, grid: tuple, args: tuple, meta: dict):
-        self.fn, self.grid, self.args, self.meta = fn, grid, args, meta
+        self.fn, self.args, self.meta = fn, args, meta
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled launcher wants all 3 grid dims
         self.runner = None
         self.tail: tuple = ()
+        self.fast = fast_launch_enabled()
 
     def __call__(self, *tensors: Tensor) -> None:
         if self.runner is not None:
-            self.runner(*tensors, *self.args, *self.tail)
-            return
+            try:
+                self.runner(*tensors, *self.args, *self.tail)
+                return
+            except (TypeError, IndexError, ValueError):  # raised before launching: this Triton's launcher
+                self.runner, self.fast = None, False     # wants other arguments; stay on the JIT path
         compiled = self.fn[self.grid](*tensors, *self.args, **self.meta)
-        if fast_launch_enabled() and hasattr(compiled, "packed_metadata") and hasattr(compiled, "__getitem__"):
+        if self.fast and hasattr(compiled, "packed_metadata") and hasattr(compiled, "__getitem__"):
             # the launcher takes every parameter in signature order, constexprs included
             names = self.fn.arg_names[len(tensors) + len(self.args):]
             self.tail = tuple(self.meta[n] for n in names)
