@@ -37,7 +37,8 @@ def main(argv=None):
                   deterministic=args.deterministic)
     env = environment("cuda")
     md = ("### Eager (`triton.testing.do_bench` median, ms)\n\n" + table(records)
-          + "\n\n### CUDA-graph replay (`do_bench_cudagraph` median, ms): GPU time without per-call CPU cost\n\n"
+          + "\n\n### CUDA-graph replay (`do_bench_cudagraph` median, ms): GPU time without per-call CPU cost "
+          "(torchvision not replayed: see benchmark.py)\n\n"
           + table(records, "graph_ms"))
     if args.out:
         with open(args.out, "w") as f:
