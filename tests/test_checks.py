@@ -111,3 +111,18 @@ def test_cuda_selection_by_capability(monkeypatch, capability, dtype, expected):
             assert reasons == ["bfloat16 needs compute capability >= 8.0, FakeGPU has less"]
     finally:
         backends._cuda_capability.cache_clear()
+
+
+def test_triton_launches_on_the_tensors_device(monkeypatch):
+    """Triton launches on the current CUDA device; the backend switches to the input's (faked GPUs)."""
+    from types import SimpleNamespace
+
+    from deformconv import backends
+
+    entered = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or __import__("contextlib").nullcontext())
+    backends._on_device_of(SimpleNamespace(device=torch.device("cuda", 1)))
+    backends._on_device_of(SimpleNamespace(device=torch.device("cuda", 0)))
+    backends._on_device_of(SimpleNamespace(device=torch.device("cpu")))
+    assert entered == [torch.device("cuda", 1)]

@@ -61,3 +61,64 @@ def test_autotune_keeps_default_unless_5_percent_faster(monkeypatch):
     deform_ops._TUNED.pop(("t", 2))
     assert deform_ops._pick_config(("t", 2), [a, b, c], launch, torch.device("cuda")) == a  # c cannot run
     assert deform_ops.chosen_configs()[("t", 2)] == a
+
+
+# --- _Launch: JIT on the first call, the compiled kernel's launcher afterwards (faked Triton objects) ---
+
+
+class _FakeCompiled:
+    """Stands in for triton's CompiledKernel: ``compiled[grid](*args)`` launches."""
+
+    packed_metadata = object()
+
+    def __init__(self, log, fail=False):
+        self.log, self.fail = log, fail
+
+    def __getitem__(self, grid):
+        def runner(*args):
+            if self.fail:
+                raise IndexError("launcher wants other arguments")
+            self.log.append(("direct", grid, args))
+        return runner
+
+
+class _FakeJit:
+    arg_names = ["x", "y", "N", "BLOCK", "FLAG"]
+
+    def __init__(self, fail=False):
+        self.log, self.fail = [], fail
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.log.append(("jit", grid, args, meta))
+            return _FakeCompiled(self.log, self.fail)
+        return run
+
+
+def test_launch_goes_direct_after_the_first_call(monkeypatch):
+    monkeypatch.delenv("DEFORMCONV_FAST_LAUNCH", raising=False)
+    fn = _FakeJit()
+    run = deform_ops._Launch(fn, (4,), (7,), dict(BLOCK=16, FLAG=True, num_warps=4))
+    run("a", "b")
+    run("c", "d")
+    assert fn.log[0] == ("jit", (4, 1, 1), ("a", "b", 7), dict(BLOCK=16, FLAG=True, num_warps=4))
+    # every parameter in signature order (constexprs too, launch options not), the grid padded to 3 dims
+    assert fn.log[1] == ("direct", (4, 1, 1), ("c", "d", 7, 16, True))
+
+
+def test_launch_falls_back_to_the_jit_when_the_launcher_refuses(monkeypatch):
+    monkeypatch.delenv("DEFORMCONV_FAST_LAUNCH", raising=False)
+    fn = _FakeJit(fail=True)
+    run = deform_ops._Launch(fn, (4, 2), (7,), dict(BLOCK=16, FLAG=False, num_warps=4))
+    for t in ("a", "b", "c"):
+        run(t, t)
+    assert [e[0] for e in fn.log] == ["jit", "jit", "jit"]  # one refused try, then the JIT for good
+
+
+def test_fast_launch_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("DEFORMCONV_FAST_LAUNCH", "0")
+    fn = _FakeJit()
+    run = deform_ops._Launch(fn, (4,), (7,), dict(BLOCK=16, FLAG=True, num_warps=4))
+    run("a", "b")
+    run("c", "d")
+    assert [e[0] for e in fn.log] == ["jit", "jit"]

@@ -9,6 +9,7 @@ that cannot run raises with its reasons; when none can, the error lists every ba
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -113,15 +114,25 @@ class TritonBackend(Backend):
         # Triton's CPU interpreter is for testing: CPU tensors go to the reference unless forced.
         return torch.device(device).type == "cuda"
 
-    def forward(self, *args):
+    def forward(self, input, *args):
         from .ops import deform_conv2d
 
-        return deform_conv2d.deform_conv2d_forward(*args)
+        with _on_device_of(input):
+            return deform_conv2d.deform_conv2d_forward(input, *args)
 
-    def backward(self, *args):
+    def backward(self, grad_out, input, *args):
         from .ops import deform_conv2d
 
-        return deform_conv2d.deform_conv2d_backward(*args)
+        with _on_device_of(input):
+            return deform_conv2d.deform_conv2d_backward(grad_out, input, *args)
+
+
+def _on_device_of(t: torch.Tensor):
+    """Triton launches on the *current* CUDA device: make it the tensor's (as a C++ op's device guard does),
+    else a call on cuda:1 while cuda:0 is current would launch with foreign pointers."""
+    if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 BACKENDS: Dict[str, Backend] = {b.name: b for b in (TritonBackend(), ReferenceBackend())}

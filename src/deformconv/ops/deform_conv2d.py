@@ -684,9 +684,12 @@ def pack_weight(weight: Tensor, groups: int) -> Tensor:
 
 
 def _unpack_weight_grad(gw: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """Inverse of pack_weight: [groups, kh*kw, Cin_g, Cout_g] -> [Cout, Cin_g, kh, kw]."""
+    """Inverse of pack_weight: [groups, kh*kw, Cin_g, Cout_g] -> [Cout, Cin_g, kh, kw] in weight's dtype
+    and memory format, in one copy."""
     cout, cin_g, kh, kw = weight.shape
-    return gw.permute(0, 3, 2, 1).reshape(cout, cin_g, kh, kw)
+    out = torch.empty(weight.shape, dtype=weight.dtype, device=gw.device, memory_format=suggest_memory_format(weight))
+    out.unflatten(0, (groups, cout // groups)).copy_(gw.permute(0, 3, 2, 1).unflatten(3, (kh, kw)))
+    return out
 
 
 def _position_strides(t: Tensor) -> Tuple[int, int, int]:
@@ -921,8 +924,7 @@ def deform_conv2d_backward(
                 shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
             part, run = launch_weight(cfg)
             plan["weight"] = (cfg.split, run)
-        grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups).to(weight.dtype).contiguous(
-            memory_format=suggest_memory_format(weight))
+        grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups)
     if need_b:
         grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
     _remember(key, plan)
