@@ -5,12 +5,16 @@ The K loop runs over taps, then over *segments* (runs of channels that share one
 group: length SEG = gcd(Cin/groups, Cin/offset_groups)), then over channel chunks of BLOCK_K. Each
 position's sample point, bilinear corners and weights (x mask) are computed once per (tap, segment) in
 fp32 and reused for every channel chunk; the sampled A tile goes straight from registers into tl.dot, so
-no (Cin*kh*kw) x (N*Ho*Wo) column buffer ever exists.
+no (Cin*kh*kw) x (N*Ho*Wo) column buffer ever exists. Segments shorter than a tensor-core K step (a power
+of two below 16, e.g. 8 channels per offset group) are packed NSEG to a chunk instead: one sample point per
+(position, segment), corners loaded as [BM, NSEG, SEG] tiles and reshaped to [BM, BLOCK_K] for the dot.
 
 Layouts: the input is read channels-last (NHWC), so each bilinear corner is a contiguous run of channels;
 offset and mask are read NCHW (consecutive positions are consecutive addresses); the weight is repacked
 once per call to [groups, kh*kw, Cin/groups, Cout/groups] (tap-major B rows). Offsets into the input and
 gradient buffers are int64.
+
+The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
 
 This file reads top-down: configs/heuristics -> @triton.jit kernels -> launchers -> nothing else (the
 torch.library glue is in deformconv/library.py, the dispatch in deformconv/backends.py).
