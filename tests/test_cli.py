@@ -49,11 +49,13 @@ def test_demo_nets_have_matched_parameter_counts():
     assert abs(n_params(plain) - n_params(dcn)) / n_params(dcn) < 0.1
 
 
-def test_info_prints_versions_and_backend_table(capsys):
+def test_info_prints_versions_and_backend_table(capsys, monkeypatch):
+    monkeypatch.setenv("DEFORMCONV_FAST_LAUNCH", "0")
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "torch" in text and "deformconv" in text
     assert "cpu      float64    reference" in text
+    assert "DEFORMCONV_FAST_LAUNCH=0: relaunch compiled Triton kernels directly" in text
 
 
 def test_bench_cpu_prints_table_and_writes_json(tmp_path, capsys):

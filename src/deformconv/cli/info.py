@@ -42,6 +42,13 @@ def run(args: argparse.Namespace) -> int:
         print("TRITON_INTERPRET=1: Triton kernels run in the CPU interpreter (slow; for testing)")
     if os.environ.get(ENV_VAR):
         print(f"{ENV_VAR}={os.environ[ENV_VAR]} overrides the automatic choice")
+    settings = {
+        "DEFORMCONV_AUTOTUNE": "time up to 4 kernel configs per new shape class (default 0: heuristic config)",
+        "DEFORMCONV_FAST_LAUNCH": "relaunch compiled Triton kernels directly (default 1)",
+    }
+    for name, what in settings.items():
+        if name in os.environ:
+            print(f"{name}={os.environ[name]}: {what}")
     print()
     print(f"{'device':<8} {'dtype':<10} {'backend':<10} why others cannot run")
     for d in devices:
