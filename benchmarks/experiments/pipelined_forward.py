@@ -1,5 +1,9 @@
 """Experiment (not product code): the forward kernel with its K loop flattened over (tap, chunk) steps and
-the next step's offsets/corners loaded before the current step's blend + dot (hand software pipelining).
+the next step's offsets/corners loaded before the current step's blend + dot (hand software pipelining),
+optionally with M tiles that never cross an image (PER_IMAGE): then l = ho*Wo + wo is provably contiguous
+within a tile, so the offset/mask loads and the NCHW output stores can be vectorised (compiled for sm_90
+without a GPU, the product kernel stores det-s4's NCHW output with 128 scalar st.global.b16 per thread and
+loads offsets with scalar ld.global.b16, because l = offs_m % L defeats Triton's contiguity analysis).
 
 Run on CPU (interpreter) for correctness:  TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/experiments/pipelined_forward.py check
 Run on the GPU for timing:                 PYTHONPATH=src python benchmarks/experiments/pipelined_forward.py bench
@@ -50,7 +54,7 @@ def _fwd_pipelined_kernel(
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
     out_sn, out_sl, out_sc,
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, PER_IMAGE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Same contract as K._deform_conv2d_fwd_kernel with NSEG*SEG == BLOCK_K (any SEG a power of two:
@@ -61,9 +65,24 @@ def _fwd_pipelined_kernel(
     pid_m = pid // num_n
     pid_n = pid % num_n
     KK: tl.constexpr = KH * KW
-    m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = K._position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
     L = HO * WO
+    if PER_IMAGE:  # tile pid_m = (image, tile of that image's positions): l contiguous, one image
+        tiles = tl.cdiv(L, BLOCK_M)
+        img = (pid_m // tiles).to(tl.int64)
+        l32 = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_valid = l32 < L
+        ho = l32 // WO
+        wo = l32 % WO
+        l = l32.to(tl.int64)
+        n_img = tl.zeros((BLOCK_M,), tl.int64) + img
+        pix_base = n_img * H * W * CIN
+        off_row = img * (2 * G * KK) * L + l
+        msk_row = img * (G * KK) * L + l
+        y_out = (ho * STRIDE_H - PAD_H).to(tl.float32)
+        x_out = (wo * STRIDE_W - PAD_W).to(tl.float32)
+    else:
+        m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = K._position_setup(
+            pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < COUT_G
     offs_k = tl.arange(0, BLOCK_K)
@@ -100,7 +119,7 @@ def _fwd_pipelined_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_ok[None, :])
 
 
-def forward(input, offset, weight, bias, mask, padding, cfg: K.Config):
+def forward(input, offset, weight, bias, mask, padding, cfg: K.Config, per_image: bool = False):
     geo = K.geometry_from_tensors(input, offset, weight, (1, 1), (padding, padding), (1, 1))
     seg = K.segment_length(geo)
     assert seg & (seg - 1) == 0
@@ -109,13 +128,14 @@ def forward(input, offset, weight, bias, mask, padding, cfg: K.Config):
     msk = mask.contiguous() if mask is not None else off
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device)
     M = geo.batch * geo.out_h * geo.out_w
-    grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n), geo.groups)
+    m_tiles = geo.batch * triton.cdiv(geo.out_h * geo.out_w, cfg.block_m) if per_image else triton.cdiv(M, cfg.block_m)
+    grid = (m_tiles * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n), geo.groups)
     _fwd_pipelined_kernel[grid](
         x, off, msk, wp, bias if bias is not None else wp, out,
         *K._sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *K._position_strides(out),
         KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg_used, NSEG=cfg.block_k // seg_used,
         HAS_MASK=mask is not None, HAS_BIAS=bias is not None, DOT_PRECISION=K._dot_precision(input.dtype),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        PER_IMAGE=per_image, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
 
@@ -131,12 +151,13 @@ def check():
                        ((2, 64, 16, 4, 5, 3, 8), K.Config(16, 16, 32, 4)),    # SEG 8, NSEG 4
                        ((1, 32, 16, 5, 4, 3, 1), K.Config(16, 16, 16, 4))]:   # SEG 32 -> NSEG 1, 2 chunks
         x, off, w, b, m = _inputs(shape, torch.float32, "cpu")
-        ours = forward(x, off, w, b, m, 1, cfg)
         ref = deformconv.deform_conv2d(x.double(), off.double(), w.double(), b.double(), padding=1, mask=m.double(),
                                        backend="reference")
-        err = (ours.double() - ref).abs().max().item() / ref.abs().max().item()
-        print(shape, cfg, f"rel err {err:.2e}")
-        assert err < 1e-4
+        for per_image in (False, True):
+            ours = forward(x, off, w, b, m, 1, cfg, per_image)
+            err = (ours.double() - ref).abs().max().item() / ref.abs().max().item()
+            print(shape, cfg, f"per_image={per_image} rel err {err:.2e}")
+            assert err < 1e-4
 
 
 def bench():
@@ -154,14 +175,17 @@ def bench():
         t_prod = do_bench_cudagraph(lambda: deformconv.deform_conv2d(x, off, w, b, padding=pad, mask=m), rep=50,
                                     return_mode="median")
         for cfg in cfgs:
-            try:
-                out = forward(x, off, w, b, m, pad, cfg)
-                err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-                t = do_bench_cudagraph(lambda: forward(x, off, w, b, m, pad, cfg), rep=50, return_mode="median")
-            except Exception as e:  # noqa: BLE001
-                t, err = float("nan"), float("nan")
-                print(name, cfg, "FAILED", str(e)[:300])
-            print(f"{name:9s} product {t_prod:.3f} ms | pipelined {cfg} {t:.3f} ms  rel err {err:.1e}", flush=True)
+            for per_image in (False, True):
+                try:
+                    out = forward(x, off, w, b, m, pad, cfg, per_image)
+                    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+                    t = do_bench_cudagraph(lambda: forward(x, off, w, b, m, pad, cfg, per_image), rep=50,
+                                           return_mode="median")
+                except Exception as e:  # noqa: BLE001
+                    t, err = float("nan"), float("nan")
+                    print(name, cfg, "FAILED", str(e)[:300])
+                print(f"{name:9s} product {t_prod:.3f} ms | pipelined per_image={per_image:d} {cfg} {t:.3f} ms"
+                      f"  rel err {err:.1e}", flush=True)
 
 
 if __name__ == "__main__":

@@ -704,13 +704,6 @@ def _position_strides(t: Tensor) -> Tuple[int, int, int]:
     return n_s, w_s, c_s
 
 
-def _dense_positions(t: Tensor) -> Tensor:
-    """t itself if its (Ho, Wo) positions are addressable as one index l = ho*Wo + wo, else a copy."""
-    if t.is_contiguous() or t.is_contiguous(memory_format=torch.channels_last):
-        return t
-    return t.contiguous()
-
-
 def _sizes(geo: ConvGeometry):
     """The kernels' runtime size arguments: H, W, CIN, HO, WO, M, CIN_G, COUT_G, COG, G."""
     return (
@@ -843,7 +836,10 @@ def deform_conv2d_backward(
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_mask = bool(need_mask and mask is not None)
-    go = _dense_positions(grad_out.to(input.dtype))
+    # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
+    # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
+    # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
+    go = _nhwc(grad_out.to(input.dtype))
     x, off, msk, wp = _prepare(input, offset, weight, mask)
     deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
     atomic_gin = bool(need_in and not deterministic)
@@ -933,7 +929,7 @@ def deform_conv2d_backward(
     # --- grad_input from its fp32 NHWC accumulator, last: the input's NHWC copy and the grad_weight
     # partials are freed by then, which lowers the peak by about one input's size ---
     if atomic_gin:
-        del x
+        del x, go
         grad_in = _from_nhwc(gin, input)
     _remember(key, plan)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
