@@ -1,0 +1,81 @@
+"""Compile the Triton kernels for sm_90 on a machine without a GPU and count what their PTX does per kernel:
+global loads/stores by width, cp.async copies, atomics, wgmma. Integers are specialised as Triton does at
+run time (== 1 becomes a constant, multiples of 16 are marked divisible), pointers 16-byte aligned.
+
+    PYTHONPATH=src python benchmarks/experiments/ptx_summary.py
+
+Static counts (instructions in the code, not executed ones): they show whether a tile load is vectorised or
+pipelined, not how long it takes. Results of 2026-12-02 (triton 3.8) are quoted in benchmarks/NOTES.md.
+"""
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import deformconv.ops.deform_conv2d as K
+
+TARGET = GPUTarget("cuda", 90, 32)
+PATTERN = re.compile(r"(ld\.global[.\w:]*|st\.global[.\w:]*|atom\.global[.\w:]*|cp\.async[.\w:]*|wgmma\.mma_async)")
+
+
+def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: int, num_stages: int = 2):
+    """pointers: name -> '*fp16'/'*fp32'; ints: name -> the value a run would pass."""
+    signature, attrs, constexprs = {}, {}, dict(constexprs)
+    for i, name in enumerate(fn.arg_names):
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif ints[name] == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32"
+            if ints[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def counts(compiled) -> str:
+    found = {}
+    for m in PATTERN.findall(compiled.asm["ptx"]):
+        found[m] = found.get(m, 0) + 1
+    return f"shared={compiled.metadata.shared} " + " ".join(f"{k}={v}" for k, v in sorted(found.items()))
+
+
+def shape_ints(n, cin, cout, h, w, og, channels_last: bool) -> dict:
+    """Integer arguments of a stride-1, padding-1, 3x3 layer; output/grad_out NCHW or channels-last."""
+    L = h * w
+    sl, sc = (cout, 1) if channels_last else (1, L)
+    return dict(H=h, W=w, CIN=cin, HO=h, WO=w, M=n * L, CIN_G=cin, COUT_G=cout, COG=cin // og, G=og, GROUPS=1,
+                STRIDE_H=1, STRIDE_W=1, PAD_H=1, PAD_W=1, DIL_H=1, DIL_W=1, out_sn=cout * L, out_sl=sl, out_sc=sc,
+                go_sn=cout * L, go_sl=sl, go_sc=sc, SPLIT=6)
+
+
+def main():
+    h = "*fp16"
+    fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
+    data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h)
+    weight = dict(x_ptr=h, off_ptr=h, msk_ptr=h, go_ptr=h, gw_ptr="*fp32")
+    common = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32")
+    for name, shape, seg, nseg in [("det-s4", (8, 256, 256, 50, 76, 1), 256, 1), ("hires-g8", (16, 64, 64, 128, 128, 8), 8, 4)]:
+        for cl in (False, True):
+            ints = shape_ints(*shape, channels_last=cl)
+            tag = f"{name} {'channels_last' if cl else 'NCHW'}"
+            bn = 256 if shape[2] >= 256 else 64
+            bk = 64 if nseg == 1 else 32
+            print(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, fwd, dict(
+                common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), ints, 8 if bn == 256 else 4)))
+            print(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
+                common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, EVEN_K=True,
+                BLOCK_M=64, BLOCK_N=min(bn, 128), BLOCK_K=bk), ints, 8 if bn == 256 else 4)))
+            print(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, weight, dict(
+                common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64),
+                ints, 8)))
+
+
+if __name__ == "__main__":
+    main()
