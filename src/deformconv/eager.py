@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .library import backward_impl, forward_impl, grad_needs
+from .library import _setup_context, backward_impl, forward_impl, input_grads
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICES = ("cuda", "cpu")
@@ -42,24 +42,15 @@ def fast_path_ok(tensors: List[Optional[Tensor]], autocasting: bool) -> bool:
 
 
 class DeformConv2dFunction(torch.autograd.Function):
-    """Same forward, saved tensors and backward as the op's autograd registration (library.py)."""
+    """The op's autograd registration (library.py) around the implementations themselves."""
 
     @staticmethod
     def forward(ctx, input, offset, weight, bias, mask, stride, padding, dilation, backend):
-        ctx.save_for_backward(input, offset, weight, mask)
-        ctx.has_bias = bias is not None
-        ctx.has_mask = mask is not None
-        ctx.params = (stride, padding, dilation, backend)
-        return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
+        args = (input, offset, weight, bias, mask, stride, padding, dilation, backend)
+        _setup_context(ctx, args, None)
+        return forward_impl(*args)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        input, offset, weight, mask = ctx.saved_tensors
-        stride, padding, dilation, backend = ctx.params
-        needs = grad_needs(ctx.needs_input_grad, ctx.has_bias, ctx.has_mask)
-        if not any(needs):
-            return (None,) * 9
-        g_in, g_off, g_mask, g_w, g_b = backward_impl(
-            grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
-        return g_in, g_off, g_w, g_b, g_mask, None, None, None, None
+        return input_grads(ctx, grad_out, backward_impl)

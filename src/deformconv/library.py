@@ -125,6 +125,7 @@ def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, b
 
 
 def _setup_context(ctx, inputs, output):
+    """What the backward needs; also used by the eager path's autograd.Function (deformconv/eager.py)."""
     input, offset, weight, bias, mask, stride, padding, dilation, backend = inputs
     ctx.save_for_backward(input, offset, weight, mask)
     ctx.has_bias = bias is not None
@@ -139,20 +140,24 @@ def grad_needs(needs_input_grad, has_bias: bool, has_mask: bool) -> List[bool]:
     return [bool(n_in), bool(n_off), bool(n_mask and has_mask), bool(n_w), bool(n_b and has_bias)]
 
 
-def _backward(ctx, grad_out):
+def input_grads(ctx, grad_out, backward):
+    """The autograd backward, in the forward's argument order, with ``backward`` computing the gradients
+    (the backward op here, ``backward_impl`` in the eager path)."""
     input, offset, weight, mask = ctx.saved_tensors
     stride, padding, dilation, backend = ctx.params
     needs = grad_needs(ctx.needs_input_grad, ctx.has_bias, ctx.has_mask)
     if not any(needs):
         return (None,) * 9
-    g_in, g_off, g_mask, g_w, g_b = deform_conv2d_backward_op(
-        grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend
-    )
+    g_in, g_off, g_mask, g_w, g_b = backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
     pick = lambda g, need: g if need else None  # noqa: E731
     return (
         pick(g_in, needs[0]), pick(g_off, needs[1]), pick(g_w, needs[3]), pick(g_b, needs[4]),
         pick(g_mask, needs[2]), None, None, None, None,
     )
+
+
+def _backward(ctx, grad_out):
+    return input_grads(ctx, grad_out, deform_conv2d_backward_op)
 
 
 deform_conv2d_op.register_autograd(_backward, setup_context=_setup_context)

@@ -651,10 +651,8 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
     key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     run = _TRANSPOSES.get(key)
     if run is None:
-        if len(_TRANSPOSES) >= _MAX_PLANS:
-            _TRANSPOSES.clear()
         grid = (triton.cdiv(a, 64), triton.cdiv(b, 64), src.shape[0])
-        run = _TRANSPOSES[key] = _Launch(_transpose_kernel, grid, (a, b), dict(BLOCK_A=64, BLOCK_B=64, num_warps=4))
+        run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b), dict(BLOCK_A=64, BLOCK_B=64, num_warps=4)))
     run(src, out)
     return out
 
@@ -736,11 +734,12 @@ def _plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Op
             autotune_enabled(), aligned, *extra)
 
 
-def _remember(key: tuple, plan: dict) -> dict:
-    if len(_PLANS) >= _MAX_PLANS:
-        _PLANS.clear()
-    _PLANS[key] = plan
-    return plan
+def _remember(cache: dict, key: tuple, value):
+    """cache[key] = value, the cache emptied first when it holds _MAX_PLANS entries."""
+    if len(cache) >= _MAX_PLANS:
+        cache.clear()
+    cache[key] = value
+    return value
 
 
 def fast_launch_enabled() -> bool:
@@ -823,7 +822,7 @@ def deform_conv2d_forward(
         shape_class = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
         cfg = _pick_config(shape_class, _fwd_candidates(geo, seg, input.dtype), launch, input.device)
         plan["fwd"] = launch(cfg)
-        _remember(key, plan)
+        _remember(_PLANS, key, plan)
     return out
 
 
@@ -931,5 +930,5 @@ def deform_conv2d_backward(
     if atomic_gin:
         del x, go
         grad_in = _from_nhwc(gin, input)
-    _remember(key, plan)
+    _remember(_PLANS, key, plan)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
