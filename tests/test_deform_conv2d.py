@@ -236,3 +236,23 @@ def test_repeated_shape_with_other_flags(backend, dtype):
     r_off, r_w = torch.autograd.grad(ref_out, ref[1:3], torch.ones_like(ref_out))
     assert_close(g_off, r_off, dtype, "grad_offset")
     assert_close(g_w, r_w, dtype, "grad_weight")
+
+
+TRITON_BACKENDS = [p for p in BACKENDS if p.values[0] == "triton"]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat-grad-out-reloaded"])
+@pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "og4-packed-segments", "groups2-og4-packed-tail"])
+def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
+    """Both ways of tiling the output positions (M tiles inside one image, or across images), the second
+    with grad_out re-read per K chunk in the grad_input kernel instead of held, give the oracle's forward
+    and gradients, with 3 images so that flat tiles straddle image boundaries."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
+    if not per_image:
+        monkeypatch.setattr(kernels, "go_resident", lambda *args: False)
+    monkeypatch.setattr(kernels, "_PLANS", {})  # plans made under the other choices must not be reused
+    args, kwargs = make_case(**dict(CONFIGS[config], n=3), dtype=dtype, seed=zlib.crc32(config.encode()) % 997)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)

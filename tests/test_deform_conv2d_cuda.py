@@ -244,8 +244,9 @@ def test_cuda_graph_replay_matches_eager():
     leaves = [t.detach().requires_grad_(True) for t in (*args, kwargs["mask"])]
     x, offset, weight, bias, mask = leaves
     gen = torch.Generator(device="cuda").manual_seed(42)
-    out0 = deformconv.deform_conv2d(x, offset, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"],
-                                    dilation=kwargs["dilation"], mask=mask)
+    with torch.no_grad():  # a graph built here on the default stream would pin the leaves' grad accumulators
+        out0 = deformconv.deform_conv2d(x, offset, weight, bias, stride=kwargs["stride"],  # to that stream,
+                                        padding=kwargs["padding"], dilation=kwargs["dilation"], mask=mask)
     gout = torch.randn(out0.shape, generator=gen, device="cuda", dtype=out0.dtype)
 
     def step():
@@ -255,7 +256,7 @@ def test_cuda_graph_replay_matches_eager():
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up: compile, plans, allocator
+    with torch.cuda.stream(side):  # warm-up: compile, plans, allocator (torch's documented capture recipe)
         for _ in range(2):
             step()
     torch.cuda.current_stream().wait_stream(side)

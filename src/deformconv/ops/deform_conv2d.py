@@ -88,6 +88,35 @@ def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
     return geo.groups * geo.taps * (cin_g // seg) * triton.cdiv(seg, block_k)
 
 
+def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int) -> bool:
+    """Whether M tiles stay inside one image (see _position_setup): l contiguous in a tile, at the cost of
+    a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
+    the H200 (benchmarks/NOTES.md, v5): the backward kernels gain 2-10% at every benchmark shape; the forward
+    gains with packed segments (10%) and small images (Ho*Wo <= 2 tiles: 6%), and loses 10% at det-s3."""
+    flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+    if 3 * (_m_tiles(geo, block_m, True) - flat) > flat:
+        return False
+    return kind != "fwd" or nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m
+
+
+def prefetch_packed(dtype: torch.dtype) -> bool:
+    """Forward with packed segments: issue the next K step's loads by hand before this step's dot. Measured
+    on the H200 at hires-g8 (benchmarks/NOTES.md, v5): fp16 0.87 -> 0.67 ms (0.60 with per-image tiles);
+    bf16 1.03 vs 0.81-0.90 ms and fp32 1.48 vs 1.09 ms without it."""
+    return dtype == torch.float16
+
+
+def go_resident(geo: ConvGeometry, block_n: int) -> bool:
+    """grad_input kernel: one conv group whose grad_out channels fit one N tile, loaded once per program."""
+    return geo.groups == 1 and geo.out_channels <= block_n
+
+
+def _m_tiles(geo: ConvGeometry, block_m: int, per_image: bool) -> int:
+    if per_image:
+        return geo.batch * triton.cdiv(geo.out_h * geo.out_w, block_m)
+    return triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+
+
 def _unique(cands: List[Config]) -> List[Config]:
     return list(dict.fromkeys(cands))
 
@@ -112,18 +141,22 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
-    first = Config(64, 128, bk, 8) if cout_g >= 256 else Config(64, _pow2_clamp(cout_g, 16, 64), min(bk, 32), 4)
-    return _unique([first, Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4), Config(128, _pow2_clamp(cout_g, 16, 64), bk, 8),
-                    Config(64, _pow2_clamp(cout_g, 16, 128), bk, 8)])
+    bn = _pow2_clamp(cout_g, 16, 128)
+    first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
+    return _unique([first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
+                    Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)])
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
-    shapes = [(128, _pow2_clamp(cout_g, 16, 128), bk, 8), (64, _pow2_clamp(cout_g, 16, 256), bk, 8),
-              (64, _pow2_clamp(cout_g, 16, 128), bk, 4), (64, _pow2_clamp(cout_g, 16, 64), bk, 4)]
-    if cout_g >= 256 and dtype != torch.float32:
-        shapes[0], shapes[1] = shapes[1], shapes[0]
+    m = geo.batch * geo.out_h * geo.out_w
+    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4), (64, _pow2_clamp(cout_g, 16, 256), bk, 8),
+              (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4), (128, _pow2_clamp(cout_g, 16, 128), bk, 8)]
+    if dtype == torch.float32:  # the earlier default: the sweep behind this order was fp16 only
+        shapes.insert(0, shapes.pop(3))
+    elif cout_g >= 256:  # wide: one 256-column tile, or for few positions 128x128
+        shapes.insert(0, shapes.pop(1) if m >= 16384 else shapes.pop(2))
     cands = []
     for bm, bn, kk, warps in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
@@ -247,15 +280,22 @@ def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.con
 
 
 @triton.jit
-def _load_corners_3d(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
-    """The 4 bilinear corners [BM, NSEG, SEG] (fp32, zero outside the image or for masked-off segments):
-    p00 and the masks are [BM, NSEG] (one sample point per segment), cc [NSEG, SEG] the channels."""
+def _load_corners_3d_raw(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
+    """The 4 bilinear corners [BM, NSEG, SEG] in the input's dtype (zero outside the image or for masked-off
+    segments): p00 and the masks are [BM, NSEG] (one sample point per segment), cc [NSEG, SEG] the channels."""
     ptrs = ptr + p00[:, :, None] + cc[None, :, :]
     row = W * CIN
     c00 = tl.load(ptrs, mask=v00[:, :, None], other=0.0)
     c01 = tl.load(ptrs + CIN, mask=v01[:, :, None], other=0.0)
     c10 = tl.load(ptrs + row, mask=v10[:, :, None], other=0.0)
     c11 = tl.load(ptrs + row + CIN, mask=v11[:, :, None], other=0.0)
+    return c00, c01, c10, c11
+
+
+@triton.jit
+def _load_corners_3d(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
+    """_load_corners_3d_raw in fp32."""
+    c00, c01, c10, c11 = _load_corners_3d_raw(ptr, p00, cc, v00, v01, v10, v11, W, CIN)
     return c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
 
 
@@ -270,22 +310,61 @@ def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, ta
 
 
 @triton.jit
-def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M: tl.constexpr):
-    """Per output position of this M tile: validity, image index, l = ho*Wo + wo (int64, for addresses), the
-    NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point."""
+def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+                    PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Per output position of M tile pid_m: validity, image index, l = ho*Wo + wo (int64, for addresses), the
+    NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point.
+    PER_IMAGE: tiles never cross an image (N * cdiv(Ho*Wo, BLOCK_M) of them), so l is provably contiguous
+    within a tile and the offset/mask loads and NCHW stores along it vectorise; else M is tiled flat."""
     L = HO * WO
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_valid = offs_m < M
-    n_img = (offs_m // L).to(tl.int64)
-    l = offs_m % L
-    ho = l // WO
-    wo = l % WO
+    if PER_IMAGE:
+        tiles = tl.cdiv(L, BLOCK_M)
+        img = (pid_m // tiles).to(tl.int64)
+        l32 = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_valid = l32 < L
+        n_img = tl.zeros((BLOCK_M,), tl.int64) + img
+        l = l32.to(tl.int64)
+        off_row = img * (2 * G * KK) * L + l
+        msk_row = img * (G * KK) * L + l
+    else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_valid = offs_m < M
+        n_img = (offs_m // L).to(tl.int64)
+        l32 = offs_m % L
+        l = l32.to(tl.int64)
+        off_row = n_img * (2 * G * KK) * L + l
+        msk_row = n_img * (G * KK) * L + l
+    ho = l32 // WO
+    wo = l32 % WO
     pix_base = n_img * H * W * CIN
-    off_row = n_img * (2 * G * KK) * L + l
-    msk_row = n_img * (G * KK) * L + l
     y_out = (ho * STRIDE_H - PAD_H).to(tl.float32)
     x_out = (wo * STRIDE_W - PAD_W).to(tl.float32)
-    return m_valid, n_img, l.to(tl.int64), pix_base, off_row, msk_row, y_out, x_out
+    return m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out
+
+
+@triton.jit
+def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, live, step, gc,
+                 H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W,
+                 KW: tl.constexpr, KK: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
+                 HAS_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Step `step` (= tap * chunks + chunk) of a packed-segment K loop of conv group gc: the 4 blend weights
+    [BM, NSEG] (fp32, mask folded in) and the 4 corners [BM, NSEG, SEG] as loaded (input dtype), so that
+    they can be issued one step ahead. Positions with `live` False load nothing."""
+    n_chunks = tl.cdiv(CIN_G, BLOCK_K)
+    tap = step // n_chunks
+    c0 = (step - tap * n_chunks) * BLOCK_K
+    i = tap // KW
+    j = tap - i * KW
+    offs_s = tl.arange(0, NSEG)
+    c_first = gc * CIN_G + c0 + offs_s * SEG
+    p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
+        off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
+        y_out + (i * DIL_H).to(tl.float32), x_out + (j * DIL_W).to(tl.float32), pix_base, H, W, CIN, live,
+        HAS_MASK)
+    c00, c01, c10, c11 = _load_corners_3d_raw(x_ptr, p00, c_first[:, None] + tl.arange(0, SEG)[None, :],
+                                              v00, v01, v10, v11, W, CIN)
+    return ((1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv,
+            c00, c01, c10, c11)
 
 
 @triton.jit
@@ -310,6 +389,8 @@ def _deform_conv2d_fwd_kernel(
     NSEG: tl.constexpr,                # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
+    PREFETCH: tl.constexpr,            # NSEG > 1: load the next K step's corners before this step's dot
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
@@ -321,15 +402,41 @@ def _deform_conv2d_fwd_kernel(
     pid_n = pid % num_n
     KK: tl.constexpr = KH * KW
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
     L = HO * WO
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < COUT_G
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
-    # --- K loop, short segments: taps x chunks of NSEG segments, one sample point per segment ---
-    if NSEG > 1:
+    # --- K loop, short segments: one flat loop over (tap, chunk of NSEG segments) steps, one sample point per
+    # segment; the next step's offsets and corners are loaded before this step's blend and dot (by hand: the
+    # chunk loop alone is too short for Triton's pipelining, e.g. 2 chunks a tap for 64 channels) ---
+    if NSEG > 1 and PREFETCH:
+        n_steps = KK * tl.cdiv(CIN_G, BLOCK_K)
+        w00, w01, w10, w11, c00, c01, c10, c11 = _packed_step(
+            x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, m_valid, 0, gc,
+            H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, BLOCK_K)
+        for step in range(n_steps):
+            # --- issue the next step's loads (none after the last step) ---
+            n00, n01, n10, n11, d00, d01, d10, d11 = _packed_step(
+                x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, m_valid & (step + 1 < n_steps),
+                step + 1, gc, H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, BLOCK_K)
+            # --- this step: blend, B tile, dot ---
+            a3 = (w00[:, :, None] * c00.to(tl.float32) + w01[:, :, None] * c01.to(tl.float32)
+                  + w10[:, :, None] * c10.to(tl.float32) + w11[:, :, None] * c11.to(tl.float32))
+            a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+            tap = step // tl.cdiv(CIN_G, BLOCK_K)
+            c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
+            w_rows = ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64)
+            b_ptrs = w_ptr + w_rows[:, None] * COUT_G + offs_n[None, :]
+            if EVEN_K:
+                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
+            else:
+                b = tl.load(b_ptrs, mask=(c0 + offs_k < CIN_G)[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            w00, w01, w10, w11, c00, c01, c10, c11 = n00, n01, n10, n11, d00, d01, d10, d11
+    elif NSEG > 1:  # --- the same steps without the prefetch ---
         offs_s = tl.arange(0, NSEG)
         offs_t = tl.arange(0, SEG)
         for tap in range(KK):
@@ -389,6 +496,29 @@ def _deform_conv2d_fwd_kernel(
 
 
 @triton.jit
+def _grad_col(go_ptr, go_row, go_res, w_ptr, w_rows, k_ok, gc, m_valid, COUT_G, go_sc,
+              GO_RESIDENT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """grad_col [BM, BK] = grad_out[:, conv group gc] @ Wp[w_rows]^T (fp32). With GO_RESIDENT the grad_out
+    tile is go_res, loaded once by the caller; else it is loaded here, N tile by N tile."""
+    offs_n = tl.arange(0, BLOCK_N)
+    if GO_RESIDENT:
+        wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + offs_n[:, None],
+                     mask=k_ok[None, :] & (offs_n < COUT_G)[:, None], other=0.0)
+        gcol = tl.dot(go_res.to(wt.dtype), wt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
+    else:
+        gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+        for n0 in range(0, COUT_G, BLOCK_N):
+            n_ok = n0 + offs_n < COUT_G
+            go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
+                         mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+            wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + (n0 + offs_n)[:, None],
+                         mask=k_ok[None, :] & n_ok[:, None], other=0.0)
+            gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
+    return gcol
+
+
+@triton.jit
 def _deform_conv2d_bwd_data_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin]
@@ -411,6 +541,8 @@ def _deform_conv2d_bwd_data_kernel(
     NSEG: tl.constexpr,           # segments per K chunk; > 1 only when each offset group is one segment
     NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
+    GO_RESIDENT: tl.constexpr,    # one conv group and Cout <= BLOCK_N: the grad_out tile is loaded once
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Per M tile: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it to the 4
@@ -420,11 +552,16 @@ def _deform_conv2d_bwd_data_kernel(
     pid_m = tl.program_id(0)
     KK: tl.constexpr = KH * KW
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
     L = HO * WO
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     go_row = n_img * go_sn + l * go_sl
+    if GO_RESIDENT:  # read once here instead of once per (tap, chunk): the loops' largest repeated load
+        go_res = tl.load(go_ptr + go_row[:, None] + (offs_n.to(tl.int64) * go_sc)[None, :],
+                         mask=m_valid[:, None] & (offs_n < COUT_G)[None, :], other=0.0)
+    else:
+        go_res = tl.zeros((BLOCK_M, BLOCK_N), dtype=go_ptr.dtype.element_ty)  # unused
 
     if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
         offs_s = tl.arange(0, NSEG)
@@ -441,14 +578,8 @@ def _deform_conv2d_bwd_data_kernel(
                     c_first = gc * CIN_G + c0 + offs_s * SEG
                     w_row = ((gc * KK + tap) * CIN_G + c0).to(tl.int64)
                     # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
-                    gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-                    for n0 in range(0, COUT_G, BLOCK_N):
-                        n_ok = n0 + offs_n < COUT_G
-                        go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
-                                     mask=m_valid[:, None] & n_ok[None, :], other=0.0)
-                        wt = tl.load(w_ptr + (w_row + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
-                                     mask=k_ok[None, :] & n_ok[:, None], other=0.0)
-                        gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
+                    gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + offs_k, k_ok, gc, m_valid, COUT_G, go_sc,
+                                     GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
                     # --- corners [BM, NSEG, SEG], reductions over each group's channels, scatter ---
                     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                         off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
@@ -503,14 +634,8 @@ def _deform_conv2d_bwd_data_kernel(
                         k_ok = c0 + offs_k < SEG
                         cc = c_lo + c0 + offs_k
                         # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
-                        gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-                        for n0 in range(0, COUT_G, BLOCK_N):
-                            n_ok = n0 + offs_n < COUT_G
-                            go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
-                                         mask=m_valid[:, None] & n_ok[None, :], other=0.0)
-                            wt = tl.load(w_ptr + (w_row + c0 + offs_k)[None, :] * COUT_G + (n0 + offs_n)[:, None],
-                                         mask=k_ok[None, :] & n_ok[:, None], other=0.0)
-                            gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
+                        gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + c0 + offs_k, k_ok, gc, m_valid, COUT_G,
+                                         go_sc, GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
                         # --- corners, reductions over channels, scatter ---
                         c00, c01, c10, c11 = _load_corners(x_ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
                         if NEED_GMSK:
@@ -555,6 +680,7 @@ def _deform_conv2d_bwd_weight_kernel(
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
     NSEG: tl.constexpr,           # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     DOT_PRECISION: tl.constexpr,
+    PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward.
@@ -590,9 +716,13 @@ def _deform_conv2d_bwd_weight_kernel(
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
 
     # --- M loop (this split's share) ---
-    for mb in range(pid_s, tl.cdiv(M, BLOCK_M), SPLIT):
+    if PER_IMAGE:
+        m_tiles = (M // L) * tl.cdiv(L, BLOCK_M)
+    else:
+        m_tiles = tl.cdiv(M, BLOCK_M)
+    for mb in range(pid_s, m_tiles, SPLIT):
         m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
-            mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, BLOCK_M)
+            mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
         y_ref = y_out + (i * DIL_H).to(tl.float32)
         x_ref = x_out + (j * DIL_W).to(tl.float32)
         if NSEG > 1:
@@ -805,13 +935,15 @@ def deform_conv2d_forward(
 
     # --- launch ---
     def launch(cfg: Config) -> _Launch:
-        M = geo.batch * geo.out_h * geo.out_w
-        grid = (triton.cdiv(M, cfg.block_m) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n), geo.groups)
+        nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
+        per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg)
+        grid = (_m_tiles(geo, cfg.block_m, per_image) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n),
+                geo.groups)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
-        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "fwd"),
+        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
-                    DOT_PRECISION=_dot_precision(input.dtype), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    DOT_PRECISION=_dot_precision(input.dtype), PER_IMAGE=per_image, PREFETCH=prefetch_packed(input.dtype),
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, wp, b, out)
         return run
@@ -853,7 +985,6 @@ def deform_conv2d_backward(
                     DOT_PRECISION=_dot_precision(input.dtype))
         plan = dict(geo=geo, seg=seg, args=args, meta=meta)
     geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
-    M = geo.batch * geo.out_h * geo.out_w
     cout_g = geo.out_channels // geo.groups
     grad_in = grad_off = grad_mask = grad_w = grad_b = None
 
@@ -865,11 +996,13 @@ def deform_conv2d_backward(
         gmsk = torch.empty_like(msk) if need_mask else off
 
         def launch_data(cfg: Config) -> _Launch:
-            data_meta = dict(meta, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "bwd_data"), NEED_GIN=atomic_gin,
-                             NEED_GOFF=need_off, NEED_GMSK=need_mask, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"),
-                             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+            nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
+            per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg)
+            data_meta = dict(meta, NSEG=nseg, NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask,
+                             EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
+                             GO_RESIDENT=go_resident(geo, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-            run = _Launch(_deform_conv2d_bwd_data_kernel, (triton.cdiv(M, cfg.block_m),), args, data_meta)
+            run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image),), args, data_meta)
             run(x, off, msk, wp, go, gin, goff, gmsk)
             return run
 
@@ -902,8 +1035,9 @@ def deform_conv2d_backward(
         def launch_weight(cfg: Config):
             part = partials(cfg.split)
             grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
-            weight_meta = dict(meta, NSEG=segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight"),
-                               EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"), BLOCK_M=cfg.block_m,
+            nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
+            weight_meta = dict(meta, NSEG=nseg, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"),
+                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg), BLOCK_M=cfg.block_m,
                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages)
             run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
