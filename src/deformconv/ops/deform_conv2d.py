@@ -89,8 +89,8 @@ def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
 
 
 def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int) -> bool:
-    """Whether M tiles stay inside one image (see _position_setup): l contiguous in a tile, at the cost of
-    a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
+    """Whether M tiles stay inside one image (see _position_setup): no per-position division by Ho*Wo, at
+    the cost of a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
     the H200 (benchmarks/NOTES.md, v5): the backward kernels gain 2-10% at every benchmark shape; the forward
     gains with packed segments (10%) and small images (Ho*Wo <= 2 tiles: 6%), and loses 10% at det-s3."""
     flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
@@ -314,8 +314,9 @@ def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_
                     PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per output position of M tile pid_m: validity, image index, l = ho*Wo + wo (int64, for addresses), the
     NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point.
-    PER_IMAGE: tiles never cross an image (N * cdiv(Ho*Wo, BLOCK_M) of them), so l is provably contiguous
-    within a tile and the offset/mask loads and NCHW stores along it vectorise; else M is tiled flat."""
+    PER_IMAGE: tiles never cross an image (N * cdiv(Ho*Wo, BLOCK_M) of them), so the image index and l come
+    from one scalar division per tile instead of a division by Ho*Wo per position (det-s3's forward PTX:
+    4 instead of 132 div/rem per thread); else M is tiled flat."""
     L = HO * WO
     if PER_IMAGE:
         tiles = tl.cdiv(L, BLOCK_M)
