@@ -437,7 +437,7 @@ def _deform_conv2d_fwd_kernel(
                 b = tl.load(b_ptrs, mask=(c0 + offs_k < CIN_G)[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             w00, w01, w10, w11, c00, c01, c10, c11 = n00, n01, n10, n11, d00, d01, d10, d11
-    elif NSEG > 1:  # --- the same steps without the prefetch ---
+    elif NSEG > 1:  # --- the same steps without the prefetch (bf16, fp32: see prefetch_packed) ---
         offs_s = tl.arange(0, NSEG)
         offs_t = tl.arange(0, SEG)
         for tap in range(KK):
