@@ -55,27 +55,32 @@ def shape_ints(n, cin, cout, h, w, og, channels_last: bool) -> dict:
                 go_sn=cout * L, go_sl=sl, go_sc=sc, SPLIT=6)
 
 
-def main():
+SHAPES = {"det-s4": ((8, 256, 256, 50, 76, 1), 256, 1), "hires-g8": ((16, 64, 64, 128, 128, 8), 8, 4)}
+
+
+def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
+    """One line per (shape, tiling, kernel): static PTX counts (see counts)."""
     h = "*fp16"
     fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
     data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h)
     weight = dict(x_ptr=h, off_ptr=h, msk_ptr=h, go_ptr=h, gw_ptr="*fp32")
     common = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32")
-    for name, shape, seg, nseg in [("det-s4", (8, 256, 256, 50, 76, 1), 256, 1), ("hires-g8", (16, 64, 64, 128, 128, 8), 8, 4)]:
-        for per_image in (False, True):
+    for name in shapes:
+        shape, seg, nseg = SHAPES[name]
+        for per_image in tilings:
             out_ints = shape_ints(*shape, channels_last=False)  # the forward writes the NCHW output
             go_ints = shape_ints(*shape, channels_last=True)    # the backward reads grad_out channels-last
             tag = f"{name} {'per-image' if per_image else 'flat'} tiles"
             bn = 256 if shape[2] >= 256 else 64
             bk = 64 if nseg == 1 else 32
-            print(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, fwd, dict(
+            log(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, fwd, dict(
                 common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=per_image, PREFETCH=nseg > 1,
                 BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints, 8 if bn == 256 else 4)))
-            print(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
+            log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
                 common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, EVEN_K=True,
                 PER_IMAGE=per_image, GO_RESIDENT=shape[2] <= min(bn, 128), BLOCK_M=64, BLOCK_N=min(bn, 128),
                 BLOCK_K=bk), go_ints, 8 if bn == 256 else 4)))
-            print(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, weight, dict(
+            log(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, weight, dict(
                 common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, PER_IMAGE=per_image, BLOCK_M=64,
                 BLOCK_N=bn, BLOCK_K=64), go_ints, 8)))
 

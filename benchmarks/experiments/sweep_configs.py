@@ -1,0 +1,144 @@
+"""Time variants of one Triton kernel side by side: configs, tiling of positions, the packed forward's prefetch.
+
+    PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_weight --shapes det-s3 hires-g8 \\
+        --dtypes float16 float32 --configs default 64,128,64,4 128,128,32,4
+    PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel fwd --shapes hires-g8 \\
+        --dtypes bfloat16 --tilings auto flat image --prefetch on off
+
+A variant replaces the kernel's candidate list with one config ("default": the heuristic's first choice;
+else "block_m,block_n,block_k,num_warps[,num_stages[,split]]", grad_weight's split derived as the product
+does when omitted) and forces the tiling of output positions and the prefetch choice; launch plans are
+cleared between variants. It runs through the product's host path: the forward, or the backward asked for
+that kernel's gradients only (bwd_data: input, offset, mask; bwd_weight: weight), so the times include the
+host-side copies each path makes. Every variant's results are checked against the first variant's (max
+|diff| / max |ref| over its outputs: a wrong variant shows up, it is never silently timed) and timed with
+``triton.testing.do_bench_cudagraph`` (median). Prints a table, last; ``--out`` writes the records as JSON.
+
+Without a GPU (TRITON_INTERPRET=1) it runs on the CPU and only checks: a smoke test (tests/test_experiments.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from typing import List, Optional
+
+import torch
+import triton
+
+import deformconv.ops.deform_conv2d as K
+from deformconv.benchmark import DTYPES, GPU_SHAPES, make_inputs
+
+KINDS = {"fwd": "_fwd_candidates", "bwd_data": "_bwd_data_candidates", "bwd_weight": "_bwd_weight_candidates"}
+NEEDS = {"bwd_data": [True, True, True, False, False], "bwd_weight": [False, False, False, True, False]}
+
+
+def parse_config(text: str, kind: str, geo, seg: int, device) -> Optional[K.Config]:
+    """None for "default", else a Config; grad_weight's split as the product derives it unless given."""
+    if text == "default":
+        return None
+    vals = [int(v) for v in text.split(",")]
+    if not 4 <= len(vals) <= 6:
+        raise ValueError(f"--configs: expected 'default' or block_m,block_n,block_k,num_warps[,num_stages[,split]], "
+                         f"got {text!r}")
+    cfg = K.Config(*vals)
+    if kind == "bwd_weight" and len(vals) < 6:
+        tiles = K._weight_rows(geo, seg, cfg.block_k) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n)
+        cfg = K.Config(cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                       split=K._split_for(geo, tiles, cfg.block_m, device))
+    return cfg
+
+
+def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tilings: List[str],
+          prefetch: List[str], device: torch.device, log=print) -> List[dict]:
+    original = {name: getattr(K, name) for name in (KINDS[kind], "per_image_tiles", "prefetch_packed")}
+    records = []
+    try:
+        for (shape_name, shape), dtype_name in itertools.product(shapes.items(), dtypes):
+            dtype = DTYPES[dtype_name]
+            x, off, w, b, m = make_inputs(shape, dtype, device)
+            pad = shape[5] // 2
+            geom = ((1, 1), (pad, pad), (1, 1))
+            geo = K.geometry_from_tensors(x, off, w, *geom)
+            seg = K.segment_length(geo)
+            out_hw = (geo.out_h, geo.out_w)
+            go = torch.randn(shape[0], shape[2], *out_hw, device=device, dtype=torch.float32).to(dtype)
+
+            def run():
+                if kind == "fwd":
+                    return (K.deform_conv2d_forward(x, off, w, b, m, *geom),)
+                return tuple(g for g in K.deform_conv2d_backward(go, x, off, w, m, *geom, NEEDS[kind]) if g is not None)
+
+            ref = None
+            for cfg_text, tiling, pf in itertools.product(configs, tilings, prefetch):
+                cfg = parse_config(cfg_text, kind, geo, seg, device)
+                setattr(K, KINDS[kind], original[KINDS[kind]] if cfg is None else (lambda *a, _c=cfg: [_c]))
+                K.per_image_tiles = {"auto": original["per_image_tiles"], "flat": lambda *a: False,
+                                     "image": lambda *a: True}[tiling]
+                K.prefetch_packed = {"auto": original["prefetch_packed"], "on": lambda *a: True,
+                                     "off": lambda *a: False}[pf]
+                K._PLANS.clear()
+                K._TUNED.clear()
+                rec = dict(kernel=kind, shape=shape_name, dtype=dtype_name, config=cfg_text, tiling=tiling, prefetch=pf)
+                try:
+                    outs = run()
+                    if ref is None:
+                        ref = outs
+                    rec["max_rel_err"] = max(
+                        ((a.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
+                        for a, r in zip(outs, ref))
+                    rec["used"] = str(next(v for k, v in K.chosen_configs().items() if k[0] == kind))
+                    if device.type == "cuda":
+                        from triton.testing import do_bench_cudagraph
+
+                        rec["graph_ms"] = do_bench_cudagraph(run, rep=40, return_mode="median")
+                except Exception as e:  # a variant that does not fit (e.g. shared memory): report, go on
+                    rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+                records.append(rec)
+                log(json.dumps(rec))
+    finally:
+        for name, fn in original.items():
+            setattr(K, name, fn)
+        K._PLANS.clear()
+        K._TUNED.clear()
+    return records
+
+
+def table(records: List[dict]) -> str:
+    lines = ["| kernel | shape | dtype | config | tiling | prefetch | graph ms | max rel err | config used |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
+        err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else r.get("error", "-")
+        lines.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {r['config']} | {r['tiling']} | {r['prefetch']} "
+                     f"| {ms} | {err} | {r.get('used', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> List[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kernel", required=True, choices=list(KINDS))
+    ap.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
+    ap.add_argument("--shape", help="instead of --shapes: one shape N,Cin,Cout,H,W,k,offset_groups")
+    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(DTYPES))
+    ap.add_argument("--configs", nargs="+", default=["default"])
+    ap.add_argument("--tilings", nargs="+", default=["auto"], choices=["auto", "flat", "image"])
+    ap.add_argument("--prefetch", nargs="+", default=["auto"], choices=["auto", "on", "off"])
+    ap.add_argument("--out", help="write the records here as JSON")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = {k: GPU_SHAPES[k] for k in args.shapes}
+    if args.shape:
+        shapes = {"custom": tuple(int(v) for v in args.shape.split(","))}
+    records = sweep(args.kernel, shapes, args.dtypes, args.configs, args.tilings, args.prefetch, device)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(table(records))
+    return records
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
