@@ -5,9 +5,14 @@ run time (== 1 becomes a constant, multiples of 16 are marked divisible), pointe
     PYTHONPATH=src python benchmarks/experiments/ptx_summary.py
 
 Static counts (instructions in the code, not executed ones): they show whether a tile load is vectorised or
-pipelined, not how long it takes. Results of 2026-12-02 (triton 3.8) are quoted in benchmarks/NOTES.md.
+pipelined, not how long it takes. Also the registers per thread and the stack (spills) of the cubin Triton
+built, read with the cuobjdump that ships with Triton. Results of 2026-12-02 (triton 3.8) are quoted in
+benchmarks/NOTES.md.
 """
+import os
 import re
+import subprocess
+import tempfile
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -39,11 +44,26 @@ def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: 
     return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
+def resources(compiled) -> str:
+    """'regs=R stack=S' of the kernel's cubin (stack > 0: register spills), or '' without cuobjdump."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return ""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+    return f"regs={m.group(1)} stack={m.group(2)} " if m else ""
+
+
 def counts(compiled) -> str:
     found = {}
     for m in PATTERN.findall(compiled.asm["ptx"]):
         found[m] = found.get(m, 0) + 1
-    return f"shared={compiled.metadata.shared} " + " ".join(f"{k}={v}" for k, v in sorted(found.items()))
+    return (resources(compiled) + f"shared={compiled.metadata.shared} "
+            + " ".join(f"{k}={v}" for k, v in sorted(found.items())))
 
 
 def shape_ints(n, cin, cout, h, w, og, channels_last: bool) -> dict:
