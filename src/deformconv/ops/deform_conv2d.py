@@ -369,6 +369,17 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
 
 
 @triton.jit
+def _weight_tile(w_ptr, rows, k_ok, n_ok, offs_n, COUT_G, EVEN_K: tl.constexpr):
+    """B tile [BK, BN] of the packed weight: rows (int64 [BK], k_ok which exist) x output channels offs_n."""
+    ptrs = w_ptr + rows[:, None] * COUT_G + offs_n[None, :]
+    if EVEN_K:
+        b = tl.load(ptrs, mask=n_ok[None, :], other=0.0)
+    else:
+        b = tl.load(ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    return b
+
+
+@triton.jit
 def _deform_conv2d_fwd_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin]
@@ -429,12 +440,8 @@ def _deform_conv2d_fwd_kernel(
             a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
-            w_rows = ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64)
-            b_ptrs = w_ptr + w_rows[:, None] * COUT_G + offs_n[None, :]
-            if EVEN_K:
-                b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-            else:
-                b = tl.load(b_ptrs, mask=(c0 + offs_k < CIN_G)[:, None] & n_ok[None, :], other=0.0)
+            b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G, n_ok,
+                             offs_n, COUT_G, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             w00, w01, w10, w11, c00, c01, c10, c11 = n00, n01, n10, n11, d00, d01, d10, d11
     elif NSEG > 1:  # --- the same steps without the prefetch (bf16, fp32: see prefetch_packed) ---
@@ -454,12 +461,8 @@ def _deform_conv2d_fwd_kernel(
                 a3 = (((1.0 - ly) * (1.0 - lx) * mv)[:, :, None] * c00 + ((1.0 - ly) * lx * mv)[:, :, None] * c01
                       + (ly * (1.0 - lx) * mv)[:, :, None] * c10 + (ly * lx * mv)[:, :, None] * c11)
                 a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-                w_rows = ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64)
-                b_ptrs = w_ptr + w_rows[:, None] * COUT_G + offs_n[None, :]
-                if EVEN_K:
-                    b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-                else:
-                    b = tl.load(b_ptrs, mask=(c0 + offs_k < CIN_G)[:, None] & n_ok[None, :], other=0.0)
+                b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G,
+                                 n_ok, offs_n, COUT_G, EVEN_K)
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
         for tap in range(KK):
@@ -481,11 +484,7 @@ def _deform_conv2d_fwd_kernel(
                     k_ok = c0 + offs_k < SEG
                     c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
                     a = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
-                    b_ptrs = w_ptr + (w_row + c0 + offs_k)[:, None] * COUT_G + offs_n[None, :]
-                    if EVEN_K:
-                        b = tl.load(b_ptrs, mask=n_ok[None, :], other=0.0)
-                    else:
-                        b = tl.load(b_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+                    b = _weight_tile(w_ptr, w_row + c0 + offs_k, k_ok, n_ok, offs_n, COUT_G, EVEN_K)
                     acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
 
     # --- epilogue: bias, store in the output's layout ---
