@@ -24,8 +24,8 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
         assert 1 <= len(cands) <= 4 and len(set(cands)) == len(cands)
         for c in cands:
             assert c.block_k >= 16 and c.block_n >= 16 and c.block_m >= 16 and c.split >= 1
-            if dtype == torch.float32:
-                assert c.block_k <= 32
+            if dtype == torch.float32:  # 64-wide fp32 chunks only unpipelined: 2 stages of them overflow shared memory
+                assert c.block_k <= 32 or c.num_stages == 1
 
 
 def test_default_is_the_heuristic_without_autotune(monkeypatch):

@@ -88,15 +88,18 @@ def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
     return geo.groups * geo.taps * (cin_g // seg) * triton.cdiv(seg, block_k)
 
 
-def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int) -> bool:
+def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype: torch.dtype) -> bool:
     """Whether M tiles stay inside one image (see _position_setup): no per-position division by Ho*Wo, at
     the cost of a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
-    the H200 (benchmarks/NOTES.md, v5): the backward kernels gain 2-10% at every benchmark shape; the forward
-    gains with packed segments (10%) and small images (Ho*Wo <= 2 tiles: 6%), and loses 10% at det-s3."""
+    the H200 (benchmarks/NOTES.md, v5/v6): the backward kernels gain 2-10% at every benchmark shape; the forward
+    gains with packed segments (fp16 10%, fp32 4%) and with small images (Ho*Wo <= 2 tiles: 6%), and loses 10%
+    at det-s3 and, unexplained, 11% with bf16's packed segments (hires-g8)."""
     flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     if 3 * (_m_tiles(geo, block_m, True) - flat) > flat:
         return False
-    return kind != "fwd" or nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m
+    if kind != "fwd":
+        return True
+    return (nseg > 1 and dtype != torch.bfloat16) or geo.out_h * geo.out_w <= 2 * block_m
 
 
 def prefetch_packed(dtype: torch.dtype) -> bool:
@@ -130,8 +133,10 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    if cout_g >= 256 and dtype != torch.float32:
-        cands = [Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
+    if cout_g >= 256 and dtype != torch.float32:  # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%
+        cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
+    elif cout_g >= 256:  # fp32 (2 stages: 3 do not fit in shared memory): det-s4 0.738 -> 0.673 ms, -7 to -10%
+        cands = [Config(128, 256, bk, 8), Config(128, bn, bk, 4)]
     else:
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
@@ -151,17 +156,22 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     m = geo.batch * geo.out_h * geo.out_w
-    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4), (64, _pow2_clamp(cout_g, 16, 256), bk, 8),
-              (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4), (128, _pow2_clamp(cout_g, 16, 128), bk, 8)]
-    if dtype == torch.float32:  # the earlier default: the sweep behind this order was fp16 only
-        shapes.insert(0, shapes.pop(3))
-    elif cout_g >= 256:  # wide: one 256-column tile, or for few positions 128x128
-        shapes.insert(0, shapes.pop(1) if m >= 16384 else shapes.pop(2))
+    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2), (64, _pow2_clamp(cout_g, 16, 256), bk, 8, 2),
+              (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4, 2), (128, _pow2_clamp(cout_g, 16, 128), bk, 8, 2)]
+    if _short_segments(geo, seg, "bwd_weight"):
+        # packed segments: a 64-wide chunk, unpipelined (plain L1-cached loads instead of cp.async); hires-g8
+        # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6)
+        shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1))
+    elif cout_g >= 256 and m >= 16384:  # wide, many positions: one 256-column tile
+        shapes.insert(0, shapes.pop(1))
+    elif cout_g >= 256 and dtype != torch.float32:
+        # wide, few positions: 128x128 (fp32 keeps 64x128 first: 128x128 spills there, cls-14 3.2 ms vs 0.50)
+        shapes.insert(0, shapes.pop(2))
     cands = []
-    for bm, bn, kk, warps in shapes:
+    for bm, bn, kk, warps, stages in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
-        cands.append(Config(bm, bn, kk, warps, split=_split_for(geo, tiles, bm, device)))
-    return _unique(cands)
+        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device)))
+    return _unique(cands)[:4]
 
 
 def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
@@ -380,6 +390,24 @@ def _weight_tile(w_ptr, rows, k_ok, n_ok, offs_n, COUT_G, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _corner_sums(g, c00, c01, c10, c11):
+    """The 4 sums over each segment's channels (axis 2 of [BM, NSEG, SEG]) that grad_mask and grad_offset are
+    linear in: sum g*c00, and sum g*d for the exact corner differences dx = c01 - c00, dy = c10 - c00,
+    dy1 = c11 - c01 (g: grad_col, fp32)."""
+    return (tl.sum(g * c00, axis=2), tl.sum(g * (c01 - c00), axis=2), tl.sum(g * (c10 - c00), axis=2),
+            tl.sum(g * (c11 - c01), axis=2))
+
+
+@triton.jit
+def _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
+    """grad_mask, grad_offset_y, grad_offset_x of one sample point from its _corner_sums. The sampled value is
+    val = c00 + lx*dx + ly*dy + lx*ly*(dy1 - dy), so grad_mask = sum g*val and grad_offset = mv * sum g *
+    (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels."""
+    dd = sdy1 - sdy
+    return s00 + lx * sdx + ly * sdy + lx * ly * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
+
+
+@triton.jit
 def _deform_conv2d_fwd_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin]
@@ -584,33 +612,32 @@ def _deform_conv2d_bwd_data_kernel(
                     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                         off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
                         y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                    hy = 1.0 - ly
-                    hx = 1.0 - lx
                     cc = c_first[:, None] + offs_t[None, :]
-                    c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, cc, v00, v01, v10, v11, W, CIN)
                     g3 = tl.reshape(gcol, (BLOCK_M, NSEG, SEG))
                     ch = (c_first // COG) * KK + tap
                     done = m_valid[:, None] & seg_ok[None, :]
-                    if NEED_GMSK:
-                        val = ((hy * hx)[:, :, None] * c00 + (hy * lx)[:, :, None] * c01
-                               + (ly * hx)[:, :, None] * c10 + (ly * lx)[:, :, None] * c11)
-                        g_m = tl.sum(g3 * val, axis=2)
-                        tl.store(gmsk_ptr + msk_row[:, None] + (ch.to(tl.int64) * L)[None, :],
-                                 g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
-                    gval = g3 * mv[:, :, None]
-                    if NEED_GOFF:
-                        g_y = tl.sum(gval * (hx[:, :, None] * (c10 - c00) + lx[:, :, None] * (c11 - c01)), axis=2)
-                        g_x = tl.sum(gval * (hy[:, :, None] * (c01 - c00) + ly[:, :, None] * (c11 - c10)), axis=2)
-                        gy_row = off_row[:, None] + ((2 * ch).to(tl.int64) * L)[None, :]
-                        tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
-                        tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
+                    # grad_mask and grad_offset from 4 channel sums (fewer operations per element: hires-g8's
+                    # kernel 1.86 -> 1.77 ms; the chunked loop below measured slower with them, so keeps its 3)
+                    if NEED_GMSK or NEED_GOFF:
+                        c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, cc, v00, v01, v10, v11, W, CIN)
+                        s00, sdx, sdy, sdy1 = _corner_sums(g3, c00, c01, c10, c11)
+                        g_m, g_y, g_x = _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+                        if NEED_GMSK:
+                            tl.store(gmsk_ptr + msk_row[:, None] + (ch.to(tl.int64) * L)[None, :],
+                                     g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
+                        if NEED_GOFF:
+                            gy_row = off_row[:, None] + ((2 * ch).to(tl.int64) * L)[None, :]
+                            tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
+                            tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
                     if NEED_GIN:
+                        top = (1.0 - ly) * mv  # row weights of grad_input's corners, mask folded in
+                        bot = ly * mv
                         ptrs = gin_ptr + p00[:, :, None] + cc[None, :, :]
                         row = W * CIN
-                        tl.atomic_add(ptrs, gval * (hy * hx)[:, :, None], mask=v00[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, :, None], mask=v01[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + row, gval * (ly * hx)[:, :, None], mask=v10[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, :, None], mask=v11[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs, g3 * (top * (1.0 - lx))[:, :, None], mask=v00[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + CIN, g3 * (top * lx)[:, :, None], mask=v01[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + row, g3 * (bot * (1.0 - lx))[:, :, None], mask=v10[:, :, None], sem="relaxed")
+                        tl.atomic_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], mask=v11[:, :, None], sem="relaxed")
     else:  # --- taps x offset groups x segments x channel chunks ---
         for tap in range(KK):
             i = tap // KW
@@ -936,7 +963,7 @@ def deform_conv2d_forward(
     # --- launch ---
     def launch(cfg: Config) -> _Launch:
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
-        per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg)
+        per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg, input.dtype)
         grid = (_m_tiles(geo, cfg.block_m, per_image) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n),
                 geo.groups)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
@@ -997,7 +1024,7 @@ def deform_conv2d_backward(
 
         def launch_data(cfg: Config) -> _Launch:
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
-            per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg)
+            per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
             data_meta = dict(meta, NSEG=nseg, NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask,
                              EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
                              GO_RESIDENT=go_resident(geo, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -1037,7 +1064,7 @@ def deform_conv2d_backward(
             grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
             weight_meta = dict(meta, NSEG=nseg, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"),
-                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg), BLOCK_M=cfg.block_m,
+                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype), BLOCK_M=cfg.block_m,
                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                                num_stages=cfg.num_stages)
             run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
