@@ -310,6 +310,20 @@ def _load_corners_3d(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
 
 
 @triton.jit
+def _bilinear_weights(ly, lx, mv):
+    """Weights of the corners (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1) from the fractions, mask folded in."""
+    return (1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv
+
+
+@triton.jit
+def _blend(w00, w01, w10, w11, c00, c01, c10, c11):
+    """The bilinear sample in fp32: corners [..., channels] (any float dtype) weighted by their
+    _bilinear_weights [...]."""
+    return (tl.expand_dims(w00, -1) * c00.to(tl.float32) + tl.expand_dims(w01, -1) * c01.to(tl.float32)
+            + tl.expand_dims(w10, -1) * c10.to(tl.float32) + tl.expand_dims(w11, -1) * c11.to(tl.float32))
+
+
+@triton.jit
 def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK: tl.constexpr, L,
                          y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK: tl.constexpr):
     """_sample_point for a K chunk of NSEG short segments: one sample point per (position, segment), all
@@ -374,8 +388,8 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
         HAS_MASK)
     c00, c01, c10, c11 = _load_corners_3d_raw(x_ptr, p00, c_first[:, None] + tl.arange(0, SEG)[None, :],
                                               v00, v01, v10, v11, W, CIN)
-    return ((1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv,
-            c00, c01, c10, c11)
+    w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+    return w00, w01, w10, w11, c00, c01, c10, c11
 
 
 @triton.jit
@@ -463,8 +477,7 @@ def _deform_conv2d_fwd_kernel(
                 x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, m_valid & (step + 1 < n_steps),
                 step + 1, gc, H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, BLOCK_K)
             # --- this step: blend, B tile, dot ---
-            a3 = (w00[:, :, None] * c00.to(tl.float32) + w01[:, :, None] * c01.to(tl.float32)
-                  + w10[:, :, None] * c10.to(tl.float32) + w11[:, :, None] * c11.to(tl.float32))
+            a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
             a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
@@ -486,8 +499,8 @@ def _deform_conv2d_fwd_kernel(
                     off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
                     y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
                 c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
-                a3 = (((1.0 - ly) * (1.0 - lx) * mv)[:, :, None] * c00 + ((1.0 - ly) * lx * mv)[:, :, None] * c01
-                      + (ly * (1.0 - lx) * mv)[:, :, None] * c10 + (ly * lx * mv)[:, :, None] * c11)
+                w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+                a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
                 a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
                 b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G,
                                  n_ok, offs_n, COUT_G, EVEN_K)
@@ -503,15 +516,12 @@ def _deform_conv2d_fwd_kernel(
                 ch = (c_lo // COG) * KK + tap
                 p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                w00 = (1.0 - ly) * (1.0 - lx) * mv
-                w01 = (1.0 - ly) * lx * mv
-                w10 = ly * (1.0 - lx) * mv
-                w11 = ly * lx * mv
+                w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
                 w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
                 for c0 in range(0, SEG, BLOCK_K):
                     k_ok = c0 + offs_k < SEG
                     c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-                    a = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                    a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
                     b = _weight_tile(w_ptr, w_row + c0 + offs_k, k_ok, n_ok, offs_n, COUT_G, EVEN_K)
                     acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
 
@@ -760,15 +770,15 @@ def _deform_conv2d_bwd_weight_kernel(
                 off_ptr, msk_ptr, off_row, msk_row, c_first, kb * BLOCK_K + offs_s * SEG < CIN_G, tap, COG, KK, L,
                 y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
             c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
-            a3 = (((1.0 - ly) * (1.0 - lx) * mv)[:, :, None] * c00 + ((1.0 - ly) * lx * mv)[:, :, None] * c01
-                  + (ly * (1.0 - lx) * mv)[:, :, None] * c10 + (ly * lx * mv)[:, :, None] * c11)
+            w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+            a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
             a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
         else:
             p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                 off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
             c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-            a = (((1.0 - ly) * (1.0 - lx) * mv)[:, None] * c00 + ((1.0 - ly) * lx * mv)[:, None] * c01
-                 + (ly * (1.0 - lx) * mv)[:, None] * c10 + (ly * lx * mv)[:, None] * c11)
+            w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+            a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
         go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
