@@ -368,6 +368,14 @@ def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_
 
 
 @triton.jit
+def _tap_origin(tap, y_out, x_out, KW: tl.constexpr, DIL_H, DIL_W):
+    """The undeformed sample point of tap (row-major over the kernel window): fp32 [BM] y and x."""
+    i = tap // KW
+    j = tap - i * KW
+    return y_out + (i * DIL_H).to(tl.float32), x_out + (j * DIL_W).to(tl.float32)
+
+
+@triton.jit
 def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, live, step, gc,
                  H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W,
                  KW: tl.constexpr, KK: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
@@ -378,14 +386,12 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
     n_chunks = tl.cdiv(CIN_G, BLOCK_K)
     tap = step // n_chunks
     c0 = (step - tap * n_chunks) * BLOCK_K
-    i = tap // KW
-    j = tap - i * KW
+    y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
     offs_s = tl.arange(0, NSEG)
     c_first = gc * CIN_G + c0 + offs_s * SEG
     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
         off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
-        y_out + (i * DIL_H).to(tl.float32), x_out + (j * DIL_W).to(tl.float32), pix_base, H, W, CIN, live,
-        HAS_MASK)
+        y_ref, x_ref, pix_base, H, W, CIN, live, HAS_MASK)
     c00, c01, c10, c11 = _load_corners_3d_raw(x_ptr, p00, c_first[:, None] + tl.arange(0, SEG)[None, :],
                                               v00, v01, v10, v11, W, CIN)
     w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
@@ -489,10 +495,7 @@ def _deform_conv2d_fwd_kernel(
         offs_s = tl.arange(0, NSEG)
         offs_t = tl.arange(0, SEG)
         for tap in range(KK):
-            i = tap // KW
-            j = tap - i * KW
-            y_ref = y_out + (i * DIL_H).to(tl.float32)
-            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for c0 in range(0, CIN_G, BLOCK_K):
                 c_first = gc * CIN_G + c0 + offs_s * SEG
                 p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
@@ -507,10 +510,7 @@ def _deform_conv2d_fwd_kernel(
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
         for tap in range(KK):
-            i = tap // KW
-            j = tap - i * KW
-            y_ref = y_out + (i * DIL_H).to(tl.float32)
-            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for s in range(CIN_G // SEG):
                 c_lo = gc * CIN_G + s * SEG
                 ch = (c_lo // COG) * KK + tap
@@ -605,10 +605,7 @@ def _deform_conv2d_bwd_data_kernel(
         offs_s = tl.arange(0, NSEG)
         offs_t = tl.arange(0, SEG)
         for tap in range(KK):
-            i = tap // KW
-            j = tap - i * KW
-            y_ref = y_out + (i * DIL_H).to(tl.float32)
-            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for gc in range(CIN // CIN_G):
                 for c0 in range(0, CIN_G, BLOCK_K):
                     k_ok = c0 + offs_k < CIN_G
@@ -650,10 +647,7 @@ def _deform_conv2d_bwd_data_kernel(
                         tl.atomic_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], mask=v11[:, :, None], sem="relaxed")
     else:  # --- taps x offset groups x segments x channel chunks ---
         for tap in range(KK):
-            i = tap // KW
-            j = tap - i * KW
-            y_ref = y_out + (i * DIL_H).to(tl.float32)
-            x_ref = x_out + (j * DIL_W).to(tl.float32)
+            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for og in range(G):
                 ch = og * KK + tap
                 p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
@@ -741,7 +735,7 @@ def _deform_conv2d_bwd_weight_kernel(
     r = r // n_seg
     tap = r % KK
     gc = r // KK
-    i = tap // KW
+    i = tap // KW  # the tap's row and column, fixed for the whole M loop
     j = tap - i * KW
     c_lo = gc * CIN_G + s * SEG
     ch = (c_lo // COG) * KK + tap
