@@ -51,6 +51,17 @@ def test_sweep_configs_rejects_a_malformed_config():
         sweep.main(["--kernel", "fwd", "--shape", "1,4,4,5,5,3,1", "--dtypes", "float32", "--configs", "64,64"])
 
 
+def test_backward_parts_agree_with_the_full_backward(capsys, monkeypatch):
+    """Each subset of gradients equals the same gradients of the full backward (fp32, packed segments)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    parts = _load("backward_parts")
+    records = parts.main(["--shape", "2,16,8,5,6,3,4", "--dtypes", "float32"])
+    assert [r["part"] for r in records] == ["input", "offset+mask", "input+offset+mask", "weight", "all", "fwd"]
+    for rec in records[:-1]:
+        assert rec["max_rel_err"] < 1e-5, rec
+    assert "| shape | dtype | input ms |" in capsys.readouterr().out
+
+
 def test_ptx_summary_compiles_every_kernel_for_sm90():
     """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs,
     and the counts show tensor-core MMAs and the grad_input kernel's vector atomics. In a subprocess: it needs

@@ -1,0 +1,93 @@
+"""Time the backward's parts side by side: the backward asked for subsets of the gradients.
+
+    PYTHONPATH=src python benchmarks/experiments/backward_parts.py --shapes det-s3 hires-g8 --dtypes float16
+
+The Triton backward computes only the gradients it is asked for, so asking for subsets splits its time:
+"input" is the grad_input/offset/mask kernel doing grad_input alone (its atomics, no corner loads),
+"offset+mask" the same kernel without grad_input (no atomics), "input+offset+mask" the whole kernel,
+"weight" the grad_weight kernel, "all" the full backward (plus the bias reduction); "fwd" the forward for
+scale. Each part's gradients are checked against the same gradients of "all" (max |diff| / max |ref|:
+grad_input's float atomics may add in another order on a GPU, nothing more), and timed with
+``triton.testing.do_bench_cudagraph`` (median). Prints a table, last; ``--out`` writes the records as JSON.
+Results of 2026-12-02 are in benchmarks/NOTES.md (v6).
+
+Without a GPU (TRITON_INTERPRET=1) it runs on the CPU and only checks: a smoke test (tests/test_experiments.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from typing import List
+
+import torch
+
+import deformconv.ops.deform_conv2d as K
+from deformconv.benchmark import DTYPES, GPU_SHAPES, make_inputs
+
+GRADS = ("input", "offset", "mask", "weight", "bias")
+PARTS = {"input": "input", "offset+mask": "offset mask", "input+offset+mask": "input offset mask",
+         "weight": "weight", "all": "input offset mask weight bias"}
+
+
+def run(shapes: dict, dtypes: List[str], device: torch.device, log=print) -> List[dict]:
+    records = []
+    for (shape_name, shape), dtype_name in itertools.product(shapes.items(), dtypes):
+        x, off, w, b, m = make_inputs(shape, DTYPES[dtype_name], device)
+        pad = shape[5] // 2
+        geom = ((1, 1), (pad, pad), (1, 1))
+        go = torch.randn_like(K.deform_conv2d_forward(x, off, w, b, m, *geom))
+        steps = {part: (lambda needs=[g in names.split() for g in GRADS]:
+                        K.deform_conv2d_backward(go, x, off, w, m, *geom, needs))
+                 for part, names in PARTS.items()}
+        steps["fwd"] = lambda: (K.deform_conv2d_forward(x, off, w, b, m, *geom),)
+        full = steps["all"]()
+        for part, step in steps.items():
+            rec = dict(shape=shape_name, dtype=dtype_name, part=part)
+            outs = step()
+            if part != "fwd":
+                rec["max_rel_err"] = max(
+                    ((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
+                    for o, r in zip(outs, full) if o is not None)
+            if device.type == "cuda":
+                from triton.testing import do_bench_cudagraph
+
+                rec["graph_ms"] = do_bench_cudagraph(step, rep=40, return_mode="median")
+            records.append(rec)
+            log(json.dumps(rec))
+    return records
+
+
+def table(records: List[dict]) -> str:
+    parts = list(PARTS) + ["fwd"]
+    lines = ["| shape | dtype | " + " | ".join(f"{p} ms" for p in parts) + " |", "|---|---|" + "---|" * len(parts)]
+    for (shape, dtype), recs in itertools.groupby(records, key=lambda r: (r["shape"], r["dtype"])):
+        by_part = {r["part"]: r for r in recs}
+        cells = [f"{by_part[p]['graph_ms']:.3f}" if "graph_ms" in by_part.get(p, {}) else "-" for p in parts]
+        lines.append(f"| {shape} | {dtype} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> List[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
+    ap.add_argument("--shape", help="instead of --shapes: one shape N,Cin,Cout,H,W,k,offset_groups")
+    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(DTYPES))
+    ap.add_argument("--out", help="write the records here as JSON")
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    shapes = {k: GPU_SHAPES[k] for k in args.shapes}
+    if args.shape:
+        shapes = {"custom": tuple(int(v) for v in args.shape.split(","))}
+    records = run(shapes, args.dtypes, device)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    print(table(records))
+    return records
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
