@@ -256,3 +256,65 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
     monkeypatch.setattr(kernels, "_PLANS", {})  # plans made under the other choices must not be reused
     args, kwargs = make_case(**dict(CONFIGS[config], n=3), dtype=dtype, seed=zlib.crc32(config.encode()) % 997)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
+def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) grad_input goes through the kernel's int64 fixed-point
+    scatter (a scale is found: not the reference's fallback), and every gradient still matches the oracle."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    scales = []
+    real = kernels._fixed_point_scales
+    monkeypatch.setattr(kernels, "_fixed_point_scales", lambda *a: scales.append(real(*a)) or scales[-1])
+    args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
+    torch.use_deterministic_algorithms(True)
+    try:
+        _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert scales and all(s is not None for s in scales)
+
+
+def _grad_input(x, offset, weight, mask, grad_out, backend, deterministic):
+    x = x.detach().requires_grad_(True)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out = deformconv.deform_conv2d(x, offset, weight, padding=1, mask=mask, backend=backend)
+        return torch.autograd.grad(out, x, grad_out)[0]
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+def test_deterministic_mode_with_non_finite_or_zero_grad_out(backend, dtype):
+    """The fixed-point scale is bounded from grad_out, weight and mask: a NaN or an Inf among them makes
+    deterministic grad_input NaN throughout (never finite garbage); the default path is unaffected. An
+    all-zero grad_out (the largest scale) gives exactly zero."""
+    args, kwargs = make_case(**CONFIGS["3x3-pad1"], dtype=dtype, seed=5)
+    x, offset, weight, _ = args
+    grad_out = torch.randn(2, 6, 5, 6, generator=torch.Generator().manual_seed(6)).to(dtype)
+    for bad in (float("nan"), float("-inf")):
+        poisoned = grad_out.clone()
+        poisoned[1, 2, 3, 4] = bad
+        assert torch.isnan(_grad_input(x, offset, weight, kwargs["mask"], poisoned, backend, True)).all()
+        assert torch.isfinite(_grad_input(x, offset, weight, kwargs["mask"], poisoned, backend, False)).any()
+    zero = _grad_input(x, offset, weight, kwargs["mask"], torch.zeros_like(grad_out), backend, True)
+    assert torch.equal(zero, torch.zeros_like(zero))
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+def test_deterministic_mode_with_an_empty_batch(backend, dtype):
+    """An empty batch has no grad_out to bound: the fixed-point scale still exists and the gradients are
+    empty (input, offset, mask) or zero (weight)."""
+    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=0), dtype=dtype, seed=3)
+    leaves = _with_grad(args, kwargs, dtype)
+    torch.use_deterministic_algorithms(True)
+    try:
+        _, grads = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for name, leaf, g in zip(GRAD_NAMES, leaves, grads):
+        assert g.shape == leaf.shape, name
+        assert torch.equal(g, torch.zeros_like(g)), name

@@ -82,7 +82,8 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
     """One line per (shape, tiling, kernel): static PTX counts (see counts)."""
     h = "*fp16"
     fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
-    data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h)
+    data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h,
+                scale_ptr="*fp32")
     weight = dict(x_ptr=h, off_ptr=h, msk_ptr=h, go_ptr=h, gw_ptr="*fp32")
     common = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32")
     for name in shapes:
@@ -97,7 +98,7 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
                 common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=per_image, PREFETCH=nseg > 1,
                 BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints, 8 if bn == 256 else 4)))
             log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
-                common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, EVEN_K=True,
+                common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, FIXED_GIN=False, EVEN_K=True,
                 PER_IMAGE=per_image, GO_RESIDENT=shape[2] <= min(bn, 128), BLOCK_M=64, BLOCK_N=min(bn, 128),
                 BLOCK_K=bk), go_ints, 8 if bn == 256 else 4)))
             log(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, weight, dict(

@@ -143,13 +143,16 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     return _unique(cands)[:4]
 
 
-def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
+def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed: bool = False) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
-    return _unique([first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
-                    Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)])
+    cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
+             Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
+    if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
+        cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # (no spills at det-s3..hires-g8)
+    return _unique(cands)
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
@@ -534,6 +537,17 @@ def _deform_conv2d_fwd_kernel(
 
 
 @triton.jit
+def _scatter_add(ptrs, vals, mask, scale, FIXED: tl.constexpr):
+    """grad_input's atomic add of fp32 vals: as fp32, or (FIXED, deterministic mode) as int64 fixed point
+    round(vals * scale), whose sum does not depend on the order the programs add in."""
+    if FIXED:
+        v = vals * scale
+        tl.atomic_add(ptrs, (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int64), mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+
+
+@triton.jit
 def _grad_col(go_ptr, go_row, go_res, w_ptr, w_rows, k_ok, gc, m_valid, COUT_G, go_sc,
               GO_RESIDENT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -564,9 +578,10 @@ def _deform_conv2d_bwd_data_kernel(
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
-    gin_ptr,      # grad_input fp32 NHWC [N, H, W, Cin], zeroed (atomic adds; if NEED_GIN)
+    gin_ptr,      # grad_input NHWC [N, H, W, Cin], zeroed (atomic adds; if NEED_GIN): fp32, or int64 if FIXED_GIN
     goff_ptr,     # grad_offset NCHW like offset (if NEED_GOFF)
     gmsk_ptr,     # grad_mask NCHW like mask (if NEED_GMSK)
+    scale_ptr,    # fp32 [1]: grad_input's fixed-point scale (read only if FIXED_GIN)
     # sizes
     H, W, CIN, HO, WO, M,
     CIN_G, COUT_G, COG, G,
@@ -578,6 +593,7 @@ def _deform_conv2d_bwd_data_kernel(
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr,
     NSEG: tl.constexpr,           # segments per K chunk; > 1 only when each offset group is one segment
     NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
+    FIXED_GIN: tl.constexpr,      # deterministic mode: grad_input in int64 fixed point (see _scatter_add)
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     GO_RESIDENT: tl.constexpr,    # one conv group and Cout <= BLOCK_N: the grad_out tile is loaded once
@@ -595,6 +611,10 @@ def _deform_conv2d_bwd_data_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     go_row = n_img * go_sn + l * go_sl
+    if FIXED_GIN:
+        scale = tl.load(scale_ptr)
+    else:
+        scale = 1.0  # unused
     if GO_RESIDENT:  # read once here instead of once per (tap, chunk): the loops' largest repeated load
         go_res = tl.load(go_ptr + go_row[:, None] + (offs_n.to(tl.int64) * go_sc)[None, :],
                          mask=m_valid[:, None] & (offs_n < COUT_G)[None, :], other=0.0)
@@ -641,10 +661,10 @@ def _deform_conv2d_bwd_data_kernel(
                         bot = ly * mv
                         ptrs = gin_ptr + p00[:, :, None] + cc[None, :, :]
                         row = W * CIN
-                        tl.atomic_add(ptrs, g3 * (top * (1.0 - lx))[:, :, None], mask=v00[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + CIN, g3 * (top * lx)[:, :, None], mask=v01[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + row, g3 * (bot * (1.0 - lx))[:, :, None], mask=v10[:, :, None], sem="relaxed")
-                        tl.atomic_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], mask=v11[:, :, None], sem="relaxed")
+                        _scatter_add(ptrs, g3 * (top * (1.0 - lx))[:, :, None], v00[:, :, None], scale, FIXED_GIN)
+                        _scatter_add(ptrs + CIN, g3 * (top * lx)[:, :, None], v01[:, :, None], scale, FIXED_GIN)
+                        _scatter_add(ptrs + row, g3 * (bot * (1.0 - lx))[:, :, None], v10[:, :, None], scale, FIXED_GIN)
+                        _scatter_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], v11[:, :, None], scale, FIXED_GIN)
     else:  # --- taps x offset groups x segments x channel chunks ---
         for tap in range(KK):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
@@ -679,10 +699,10 @@ def _deform_conv2d_bwd_data_kernel(
                         if NEED_GIN:
                             ptrs = gin_ptr + p00[:, None] + cc[None, :]
                             row = W * CIN
-                            tl.atomic_add(ptrs, gval * (hy * hx)[:, None], mask=v00[:, None] & k_ok[None, :], sem="relaxed")
-                            tl.atomic_add(ptrs + CIN, gval * (hy * lx)[:, None], mask=v01[:, None] & k_ok[None, :], sem="relaxed")
-                            tl.atomic_add(ptrs + row, gval * (ly * hx)[:, None], mask=v10[:, None] & k_ok[None, :], sem="relaxed")
-                            tl.atomic_add(ptrs + row + CIN, gval * (ly * lx)[:, None], mask=v11[:, None] & k_ok[None, :], sem="relaxed")
+                            _scatter_add(ptrs, gval * (hy * hx)[:, None], v00[:, None] & k_ok[None, :], scale, FIXED_GIN)
+                            _scatter_add(ptrs + CIN, gval * (hy * lx)[:, None], v01[:, None] & k_ok[None, :], scale, FIXED_GIN)
+                            _scatter_add(ptrs + row, gval * (ly * hx)[:, None], v10[:, None] & k_ok[None, :], scale, FIXED_GIN)
+                            _scatter_add(ptrs + row + CIN, gval * (ly * lx)[:, None], v11[:, None] & k_ok[None, :], scale, FIXED_GIN)
                 # --- this (tap, offset group) is complete: store its offset and mask gradients ---
                 if NEED_GOFF:
                     gy_row = off_row + (2 * ch).to(tl.int64) * L
@@ -989,24 +1009,49 @@ def deform_conv2d_forward(
     return out
 
 
+def _fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: int) -> Tuple[Tensor, Tensor]:
+    """Deterministic mode's grad_input is summed as int64 fixed point (integer adds give the same bits in any
+    order): (scale, 1 / scale), powers of two as fp32 [1] tensors, such that no sum can pass 2**62. A
+    contribution is grad_col * bilinear weight (<= 1) * mask, with |grad_col| <= max|grad_out| * max over
+    rows of sum |W|, and one grad_input element receives at most count = Ho*Wo*kh*kw of them (one per
+    position and tap of its image). The resolution is then bound * 2**-62: about 2**-40 of the largest
+    possible contribution at the benchmark shapes, far below fp32's rounding of the result. Computed on the
+    device (no sync; CUDA-graph capturable). A bound that is not finite (NaN or Inf in grad_out, weight or
+    mask) or beyond fp32's exponent range gives NaN scales, and so a grad_input that is NaN throughout."""
+    def max_abs(t: Tensor) -> Tensor:  # float64 scalar; 0 for an empty tensor (an empty batch)
+        return torch.linalg.vector_norm(t, float("inf")).double() if t.numel() else t.new_zeros((), dtype=torch.float64)
+
+    bound = max_abs(go) * max_abs(wp.abs().sum(-1)) * count
+    if mask is not None:
+        bound = bound * max_abs(mask)
+    exp = 62 - torch.ceil(torch.log2(bound))  # bound 0: +inf, clamped to the largest scale below
+    usable = torch.isfinite(bound) & (exp >= -126)
+    exp = torch.where(usable, exp.clamp(max=126), torch.full_like(exp, float("nan")))
+    return torch.exp2(exp).float().reshape(1), torch.exp2(-exp).float().reshape(1)
+
+
 def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. Under
-    torch.use_deterministic_algorithms(True) grad_input avoids float atomics (see README: slower)."""
+    torch.use_deterministic_algorithms(True) grad_input is summed in int64 fixed point (_fixed_point_scales)
+    instead of with float atomics, so every gradient is bitwise reproducible."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
+    need_in = bool(need_in)
     need_mask = bool(need_mask and mask is not None)
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
     go = _nhwc(grad_out.to(input.dtype))
     x, off, msk, wp = _prepare(input, offset, weight, mask)
-    deterministic = torch.are_deterministic_algorithms_enabled() and input.device.type == "cuda"
-    atomic_gin = bool(need_in and not deterministic)
+    fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
+    if fixed_gin:
+        count = grad_out.shape[-2] * grad_out.shape[-1] * weight.shape[-2] * weight.shape[-1]
+        scales = _fixed_point_scales(go, wp, mask, count)
     key = _plan_key("bwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, go), go.stride(),
-                    atomic_gin, bool(need_off), need_mask, bool(need_w))
+                    need_in, fixed_gin, bool(need_off), need_mask, bool(need_w))
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
@@ -1019,43 +1064,40 @@ def deform_conv2d_backward(
     cout_g = geo.out_channels // geo.groups
     grad_in = grad_off = grad_mask = grad_w = grad_b = None
 
-    # --- grad_input (atomics), grad_offset, grad_mask ---
-    if atomic_gin or need_off or need_mask:
-        gin = torch.empty((geo.batch, geo.height, geo.width, geo.in_channels), dtype=torch.float32,
-                          device=input.device) if atomic_gin else off
+    # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
+    if need_in or need_off or need_mask:
+        gin = torch.empty((geo.batch, geo.height, geo.width, geo.in_channels),
+                          dtype=torch.int64 if fixed_gin else torch.float32, device=input.device) if need_in else off
         goff = torch.empty_like(off) if need_off else off
         gmsk = torch.empty_like(msk) if need_mask else off
+        scale = scales[0] if fixed_gin else off
 
         def launch_data(cfg: Config) -> _Launch:
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
             per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
-            data_meta = dict(meta, NSEG=nseg, NEED_GIN=atomic_gin, NEED_GOFF=need_off, NEED_GMSK=need_mask,
+            data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
+                             FIXED_GIN=fixed_gin,
                              EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
                              GO_RESIDENT=go_resident(geo, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
             run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image),), args, data_meta)
-            run(x, off, msk, wp, go, gin, goff, gmsk)
+            run(x, off, msk, wp, go, gin, goff, gmsk, scale)
             return run
 
         if "data" not in plan:
-            shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (atomic_gin, need_off, need_mask)
-            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype), launch_data, input.device)
-            if atomic_gin:
+            shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (
+                need_in, fixed_gin, need_off, need_mask)
+            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype, fixed_gin), launch_data,
+                               input.device)
+            if need_in:
                 gin.zero_()  # after any tuning runs, which accumulate into it too
             plan["data"] = launch_data(cfg)
         else:
-            if atomic_gin:
+            if need_in:
                 gin.zero_()
-            plan["data"](x, off, msk, wp, go, gin, goff, gmsk)
+            plan["data"](x, off, msk, wp, go, gin, goff, gmsk, scale)
         grad_off = goff if need_off else None
         grad_mask = gmsk if need_mask else None
-    if need_in and deterministic:
-        # No float atomics: the reference's sorted (deterministic) index_add_ scatter, batch-chunked.
-        from . import reference
-
-        grad_in = reference.deform_conv2d_backward(
-            grad_out, input, offset, weight, mask, stride, padding, dilation, (True, False, False, False, False)
-        )[0]
 
     # --- grad_weight: split-M partial sums, added in a fixed order ---
     if need_w:
@@ -1092,8 +1134,10 @@ def deform_conv2d_backward(
         grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
     # --- grad_input from its fp32 NHWC accumulator, last: the input's NHWC copy and the grad_weight
     # partials are freed by then, which lowers the peak by about one input's size ---
-    if atomic_gin:
+    if need_in:
         del x, go
+        if fixed_gin:
+            gin = gin.to(torch.float32).mul_(scales[1])
         grad_in = _from_nhwc(gin, input)
     _remember(_PLANS, key, plan)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
