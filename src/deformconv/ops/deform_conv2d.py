@@ -151,7 +151,7 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed:
     cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
              Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
-        cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # (no spills at det-s3..hires-g8)
+        cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # no spills at the 5 bench shapes
     return _unique(cands)
 
 
