@@ -1132,8 +1132,8 @@ def deform_conv2d_backward(
         del part
     if need_b:
         grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
-    # --- grad_input from its fp32 NHWC accumulator, last: the input's NHWC copy and the grad_weight
-    # partials are freed by then, which lowers the peak by about one input's size ---
+    # --- grad_input from its NHWC accumulator (fp32, or int64 fixed point), last: the input's NHWC copy and
+    # the grad_weight partials are freed by then, which lowers the peak by about one input's size ---
     if need_in:
         del x, go
         if fixed_gin:
