@@ -123,6 +123,34 @@ def test_against_torchvision_random(backend, dtype, seed):
 
 
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("poison", ["input", "grad_out"])
+def test_non_finite_values_spread_as_in_torchvision(backend, dtype, poison):
+    """A NaN or Inf in the input or in grad_out makes the output and each gradient non-finite exactly where
+    torchvision's are: a bilinear corner outside the image is skipped (its pixel never read), not multiplied
+    by a zero weight; offsets reach past the border so that such corners exist."""
+    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], offset_scale=3.0), dtype=dtype, seed=5)
+    x, offset, weight, _ = args
+    x = x.clone()
+    grad_out = torch.randn(2, 6, 5, 6, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    if poison == "input":
+        x[0, 1, 0, 0] = float("nan")
+        x[1, 2, 4, 5] = float("inf")
+    else:
+        grad_out[1, 2, 3, 4] = float("nan")
+
+    def run(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (x, offset, weight, kwargs["mask"])]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, grad_out.to(out.dtype))]
+
+    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend=backend), dtype)
+    theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m), torch.float64)
+    assert not torch.isfinite(theirs[0 if poison == "input" else 1]).all()
+    for name, a, t in zip(("output", "grad_input", "grad_offset", "grad_weight", "grad_mask"), ours, theirs):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
+
+
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
 def test_integer_offsets_on_pixels_and_borders(backend, dtype):
     """Offsets that land exactly on pixels, on the border rows/columns, at -1 and H/W, and just inside
     (-1, 0) and (H-1, H): the bilinear edge cases, forward and gradients, against torchvision."""

@@ -93,9 +93,10 @@ def _columns(input: Tensor, offset: Tensor, mask: Optional[Tensor], geo: ConvGeo
     img = input.to(ctype).reshape(n, G, geo.in_channels // G, geo.height * geo.width)
     corners, frac = _sampling(offset, geo, ctype)
     val = None
-    for flat, wgt, _ in corners:
-        v = _gather(img, flat, geo)
-        val = v.mul_(wgt[:, :, None]) if val is None else val.addcmul_(v, wgt[:, :, None])
+    for flat, wgt, valid in corners:
+        # a corner outside the image is skipped, not multiplied by 0 (a NaN or Inf there must not spread)
+        v = _gather(img, flat, geo).mul_(wgt[:, :, None]).masked_fill_(~valid[:, :, None], 0)
+        val = v if val is None else val.add_(v)
     return val, img, corners, frac
 
 
@@ -180,7 +181,10 @@ def deform_conv2d_backward(
                 gy = torch.zeros((n, G, K, L), dtype=ctype, device=input.device)
                 gx = torch.zeros_like(gy)
                 for (flat, _, valid), cy, cx in zip(corners, dwy, dwx):
-                    corner_sum = (grad_val * _gather(img, flat, geo)).sum(2) * valid
+                    # the image value of a corner outside is 0 (not read), its weight's derivative still
+                    # multiplies grad_val (as torchvision's: a NaN there spreads to grad_offset)
+                    corner = _gather(img, flat, geo).masked_fill_(~valid[:, :, None], 0)
+                    corner_sum = (grad_val * corner).sum(2)
                     gy += cy * corner_sum
                     gx += cx * corner_sum
                 grad_off[s:e, :, :, 0] = gy
@@ -188,8 +192,9 @@ def deform_conv2d_backward(
             if need_in:
                 rows = grad_in[s:e].view(n * G * HW, cg)
                 row_base = (torch.arange(n * G, device=input.device) * HW).view(n, G, 1)
-                for flat, wgt, _ in corners:
-                    src = (grad_val * wgt[:, :, None]).reshape(n, G, cg, K * L).transpose(2, 3)
+                for flat, wgt, valid in corners:
+                    src = (grad_val * wgt[:, :, None]).masked_fill_(~valid[:, :, None], 0)
+                    src = src.reshape(n, G, cg, K * L).transpose(2, 3)
                     rows.index_add_(0, (flat + row_base).reshape(-1), src.reshape(-1, cg))
 
     def _out(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
