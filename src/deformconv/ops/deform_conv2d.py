@@ -1014,8 +1014,8 @@ def _fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: i
     order): (scale, 1 / scale), powers of two as fp32 [1] tensors, such that no sum can pass 2**62. A
     contribution is grad_col * bilinear weight (<= 1) * mask, with |grad_col| <= max|grad_out| * max over
     rows of sum |W|, and one grad_input element receives at most count = Ho*Wo*kh*kw of them (one per
-    position and tap of its image). The resolution is then bound * 2**-62: about 2**-40 of the largest
-    possible contribution at the benchmark shapes, far below fp32's rounding of the result. Computed on the
+    position and tap of its image). The resolution is then at most bound * 2**-61: 2**-44 of the largest
+    possible contribution at det-s3 and hires-g8 (finer for smaller images), far below fp32's rounding. Computed on the
     device (no sync; CUDA-graph capturable). A bound that is not finite (NaN or Inf in grad_out, weight or
     mask) or beyond fp32's exponent range gives NaN scales, and so a grad_input that is NaN throughout."""
     def max_abs(t: Tensor) -> Tensor:  # float64 scalar; 0 for an empty tensor (an empty batch)
