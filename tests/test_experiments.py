@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _load(name):
+    if str(EXPERIMENTS) not in sys.path:  # the scripts import their shared helpers (common.py) as a sibling
+        sys.path.insert(0, str(EXPERIMENTS))
     spec = importlib.util.spec_from_file_location(name, EXPERIMENTS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -25,7 +25,7 @@ from typing import List
 import torch
 
 import deformconv.ops.deform_conv2d as K
-from deformconv.benchmark import DTYPES, GPU_SHAPES, make_inputs
+from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
 
 GRADS = ("input", "offset", "mask", "weight", "bias")
 PARTS = {"input": "input", "offset+mask": "offset mask", "input+offset+mask": "input offset mask",
@@ -35,9 +35,7 @@ PARTS = {"input": "input", "offset+mask": "offset mask", "input+offset+mask": "i
 def run(shapes: dict, dtypes: List[str], device: torch.device, log=print) -> List[dict]:
     records = []
     for (shape_name, shape), dtype_name in itertools.product(shapes.items(), dtypes):
-        x, off, w, b, m = make_inputs(shape, DTYPES[dtype_name], device)
-        pad = shape[5] // 2
-        geom = ((1, 1), (pad, pad), (1, 1))
+        x, off, w, b, m, geom = layer_inputs(shape, dtype_name, device)
         go = torch.randn_like(K.deform_conv2d_forward(x, off, w, b, m, *geom))
         steps = {part: (lambda needs=[g in names.split() for g in GRADS]:
                         K.deform_conv2d_backward(go, x, off, w, m, *geom, needs))
@@ -48,9 +46,7 @@ def run(shapes: dict, dtypes: List[str], device: torch.device, log=print) -> Lis
             rec = dict(shape=shape_name, dtype=dtype_name, part=part)
             outs = step()
             if part != "fwd":
-                rec["max_rel_err"] = max(
-                    ((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
-                    for o, r in zip(outs, full) if o is not None)
+                rec["max_rel_err"] = max_rel_err(*zip(*((o, r) for o, r in zip(outs, full) if o is not None)))
             if device.type == "cuda":
                 from triton.testing import do_bench_cudagraph
 
@@ -72,21 +68,11 @@ def table(records: List[dict]) -> str:
 
 def main(argv=None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
-    ap.add_argument("--shape", help="instead of --shapes: one shape N,Cin,Cout,H,W,k,offset_groups")
-    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(DTYPES))
-    ap.add_argument("--out", help="write the records here as JSON")
+    add_shape_args(ap)
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = {k: GPU_SHAPES[k] for k in args.shapes}
-    if args.shape:
-        shapes = {"custom": tuple(int(v) for v in args.shape.split(","))}
-    records = run(shapes, args.dtypes, device)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    print(table(records))
-    return records
+    records = run(shapes_from_args(args), args.dtypes, device)
+    return finish(records, args.out, table(records))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ import torch
 import triton
 
 import deformconv.ops.deform_conv2d as K
-from deformconv.benchmark import DTYPES, GPU_SHAPES, make_inputs
+from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
+from deformconv.benchmark import DTYPES
 
 KINDS = {"fwd": "_fwd_candidates", "bwd_data": "_bwd_data_candidates", "bwd_weight": "_bwd_weight_candidates"}
 NEEDS = {"bwd_data": [True, True, True, False, False], "bwd_weight": [False, False, False, True, False]}
@@ -58,9 +59,7 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
     try:
         for (shape_name, shape), dtype_name in itertools.product(shapes.items(), dtypes):
             dtype = DTYPES[dtype_name]
-            x, off, w, b, m = make_inputs(shape, dtype, device)
-            pad = shape[5] // 2
-            geom = ((1, 1), (pad, pad), (1, 1))
+            x, off, w, b, m, geom = layer_inputs(shape, dtype_name, device)
             geo = K.geometry_from_tensors(x, off, w, *geom)
             seg = K.segment_length(geo)
             out_hw = (geo.out_h, geo.out_w)
@@ -86,9 +85,7 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
                     outs = run()
                     if ref is None:
                         ref = outs
-                    rec["max_rel_err"] = max(
-                        ((a.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
-                        for a, r in zip(outs, ref))
+                    rec["max_rel_err"] = max_rel_err(outs, ref)
                     rec["used"] = str(next(v for k, v in K.chosen_configs().items() if k[0] == kind))
                     if device.type == "cuda":
                         from triton.testing import do_bench_cudagraph
@@ -120,24 +117,15 @@ def table(records: List[dict]) -> str:
 def main(argv=None) -> List[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", required=True, choices=list(KINDS))
-    ap.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
-    ap.add_argument("--shape", help="instead of --shapes: one shape N,Cin,Cout,H,W,k,offset_groups")
-    ap.add_argument("--dtypes", nargs="+", default=["float16"], choices=list(DTYPES))
+    add_shape_args(ap)
     ap.add_argument("--configs", nargs="+", default=["default"])
     ap.add_argument("--tilings", nargs="+", default=["auto"], choices=["auto", "flat", "image"])
     ap.add_argument("--prefetch", nargs="+", default=["auto"], choices=["auto", "on", "off"])
-    ap.add_argument("--out", help="write the records here as JSON")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shapes = {k: GPU_SHAPES[k] for k in args.shapes}
-    if args.shape:
-        shapes = {"custom": tuple(int(v) for v in args.shape.split(","))}
-    records = sweep(args.kernel, shapes, args.dtypes, args.configs, args.tilings, args.prefetch, device)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    print(table(records))
-    return records
+    records = sweep(args.kernel, shapes_from_args(args), args.dtypes, args.configs, args.tilings, args.prefetch,
+                    device)
+    return finish(records, args.out, table(records))
 
 
 if __name__ == "__main__":
