@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from deformconv.benchmark import GPU_SHAPES, environment, run, table
+from deformconv.benchmark import GPU_SHAPES, environment, memory_table, run, table
 
 
 def main(argv=None):
@@ -39,7 +39,9 @@ def main(argv=None):
     md = ("### Eager (`triton.testing.do_bench` median, ms)\n\n" + table(records)
           + "\n\n### CUDA-graph replay (`do_bench_cudagraph` median, ms): GPU time without per-call CPU cost "
           "(torchvision not replayed: see benchmark.py)\n\n"
-          + table(records, "graph_ms"))
+          + table(records, "graph_ms")
+          + "\n\n### Forward+backward memory (MiB): extra peak / workspace = the extra peak less the output and "
+          "the gradients returned\n\n" + memory_table(records))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"environment": env, "records": records}, f, indent=1)

@@ -346,3 +346,75 @@ def test_deterministic_mode_with_an_empty_batch(backend, dtype):
     for name, leaf, g in zip(GRAD_NAMES, leaves, grads):
         assert g.shape == leaf.shape, name
         assert torch.equal(g, torch.zeros_like(g)), name
+
+
+CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det else 'atomics'}")
+               for c, lay, det in [("3x3-pad1", "nchw", False), ("3x3-pad1", "channels_last", False),
+                                   ("3x3-pad1", "nchw", True), ("3x3-pad1", "channels_last", True),
+                                   ("og4-packed-segments", "nchw", False)]]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config,layout,deterministic", CHUNK_CASES)
+def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config, monkeypatch):
+    """With the workspace budget forced down, the backward runs 2 + 2 + 1 images at a time (an uneven last
+    chunk; grad_weight summed over chunks) and every gradient still matches the oracle."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
+    monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 2)  # one M tile per image at these sizes: 2 images
+    chunks = []
+    real = kernels._backward_images
+    monkeypatch.setattr(kernels, "_backward_images", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
+    args, kwargs = make_case(**dict(CONFIGS[config], n=5), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    if layout == "channels_last":
+        leaves64[0] = leaves64[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert chunks == [2, 2, 1]
+
+
+def _meta(shape, dtype, channels_last=False):
+    t = torch.empty(shape, dtype=dtype, device="meta")
+    return t.contiguous(memory_format=torch.channels_last) if channels_last else t
+
+
+@pytest.mark.parametrize("dtype,channels_last,deterministic,images", [
+    (torch.float16, False, False, 3),  # NHWC copies of input and grad_out + fp32 accumulator: 4 inputs' worth
+    (torch.float16, True, False, 6),   # the accumulator alone: 2 inputs' worth
+    (torch.float32, True, False, 8),   # 1 input's worth: the whole batch
+    (torch.float16, False, True, 3),   # int64 accumulator + its fp32 conversion: 8 inputs' worth -> 1 image by
+                                       # the budget, raised to 3 by the parallelism floor (238 M tiles an image)
+], ids=["fp16-nchw", "fp16-channels-last", "fp32-channels-last", "fp16-nchw-deterministic"])
+def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, deterministic, images):
+    """det-s3's shape (N=8, 128 channels, 100x152): the images per backward chunk keep the estimated scratch
+    within WORKSPACE_BUDGET times the input; a small image count is raised to keep the GPU busy."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    x = _meta((8, 128, 100, 152), dtype, channels_last)
+    go = _meta((8, 128, 100, 152), dtype, channels_last)
+    assert kernels.backward_chunk_images(x, go, True, deterministic) == images
+    # without grad_input (grad_weight/offset only) and channels-last tensors there is no scratch to bound
+    assert kernels.backward_chunk_images(_meta((8, 128, 100, 152), dtype, True), _meta((8, 128, 100, 152), dtype, True),
+                                         False, False) == 8
+    # small images: a chunk keeps MIN_CHUNK_PROGRAMS M tiles (cls-14: 64 images of 14x14 -> 4 tiles each)
+    small = _meta((64, 256, 14, 14), dtype, channels_last)
+    assert kernels.backward_chunk_images(small, small, True, deterministic) == 64
+
+
+def test_workspace_budget_from_the_environment(monkeypatch):
+    """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch); anything that is not
+    a number >= 0 is refused, naming the variable."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    x = _meta((8, 128, 100, 152), torch.float16)
+    monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")
+    assert kernels.backward_chunk_images(x, x, True, False) == 8
+    monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
+    assert kernels.backward_chunk_images(x, x, True, False) == 4
+    for bad in ("lots", "-1", "nan"):
+        monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
+        with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):
+            kernels.backward_chunk_images(x, x, True, False)

@@ -286,3 +286,64 @@ def _graph_replay_matches_eager(deterministic):
             assert_close(r, e, torch.float16, "grad_input (replay)")
         else:
             assert torch.equal(r, e), f"{name} differs between the graph replay and eager"
+
+
+@pytest.mark.parametrize("shape", ["segments-og3-g2", "og8-packed-segments"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, monkeypatch):
+    """The backward forced to one image a chunk (segments-og3-g2: the second image's grad_offset/grad_mask
+    slices are not 16-byte aligned, so its chunk gets its own plan) matches the float64 reference."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
+    monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 1)
+    args, kwargs = _case(shape, torch.float16, seed=13)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        out, grads = _fwd_bwd(args, kwargs, "triton")
+    finally:
+        torch.use_deterministic_algorithms(False)
+    ref_out, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
+    assert_close(out, ref_out, torch.float16, "output")
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        if r is not None:
+            assert_close(g, r, torch.float16, f"grad_{name} (one-image chunks)")
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
+    """det-s3 of the benchmark (N=8, 128 -> 128 channels, 100x152, fp16): the extra peak memory of a
+    forward+backward, less the output and the five gradients it returns, stays within 2x the input's size
+    (the batch goes through the backward in chunks); the gradients equal the whole-batch backward's."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    args, kwargs = make_case(8, 128, 128, 100, 152, 3, 3, padding=1, dtype=torch.float16, device="cuda", seed=17)
+    gout = torch.randn(8, 128, 100, 152, device="cuda", dtype=torch.float16)
+    if layout == "channels_last":  # grad_out as autograd would give it: in the output's layout
+        args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
+        gout = gout.contiguous(memory_format=torch.channels_last)
+    leaves = [t.detach().requires_grad_(True) for t in (*args, kwargs["mask"])]
+
+    def step():
+        for t in leaves:
+            t.grad = None
+        out = deformconv.deform_conv2d(*leaves[:4], padding=1, mask=leaves[4], backend="triton")
+        out.backward(gout)
+        return out.numel() * out.element_size()
+
+    step()  # compile and plan outside the measurement
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out_bytes = step()
+    torch.cuda.synchronize()
+    returned = out_bytes + sum(t.grad.numel() * t.grad.element_size() for t in leaves)
+    workspace = torch.cuda.max_memory_allocated() - base - returned
+    input_bytes = args[0].numel() * args[0].element_size()
+    assert kernels.backward_chunk_images(leaves[0], gout, True, False) < 8
+    assert workspace <= 2 * input_bytes, f"workspace {workspace / input_bytes:.2f}x the input"
+    chunked = [t.grad.clone() for t in leaves]
+    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", float("inf"))
+    step()
+    for name, g, r in zip(NAMES, chunked, [t.grad for t in leaves]):
+        assert_close(g, r, torch.float16, f"grad_{name} (chunked vs whole batch)")

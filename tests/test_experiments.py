@@ -79,3 +79,21 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
     assert len(lines) == 3, proc.stdout
     assert all("wgmma.mma_async" in line for line in lines), lines
     assert "atom.global.gpu.relaxed.add.v4.f32" in lines[1], lines[1]
+
+
+def test_backward_chunks_agree_with_the_whole_batch(capsys):
+    """Forced 1-image chunks give the whole-batch gradients (fp32; up to summation order) in both layouts."""
+    chunks = _load("backward_chunks")
+    records = chunks.main(["--shape", "3,16,8,5,6,3,4", "--dtypes", "float32", "--layouts", "nchw", "channels_last",
+                           "--variants", "whole", "0,1"])
+    assert [(r["layout"], r["variant"], r["images_per_chunk"]) for r in records] == [
+        ("nchw", "whole", 3), ("nchw", "0,1", 1), ("channels_last", "whole", 3), ("channels_last", "0,1", 1)]
+    for rec in records:
+        assert rec["max_rel_err"] < 1e-5, rec
+    assert "| shape | dtype | layout | variant |" in capsys.readouterr().out
+
+
+def test_backward_chunks_rejects_a_malformed_variant():
+    chunks = _load("backward_chunks")
+    with pytest.raises(ValueError, match="--variants: expected 'default', 'whole' or budget,min_programs"):
+        chunks.main(["--shape", "1,4,4,5,5,3,1", "--variants", "1.5"])

@@ -177,7 +177,12 @@ def _measure(rec: dict, fn, shape: Shape, dtype: torch.dtype, device: torch.devi
     if p == "fwd+bwd" and device.type == "cuda":
         for a in args:
             a.grad = None
-        rec["extra_peak_mib"] = round(_extra_peak_mib(step), 1)
+        extra = _extra_peak_mib(step)
+        # What every implementation returns and holds at the step's end: the output (grad_out's size) and the
+        # gradients. The rest of the extra peak is scratch ("workspace": column buffers, copies, accumulators).
+        returned = sum(t.numel() * t.element_size() for t in [grad_out] + [a.grad for a in grads]) / 2**20
+        rec["extra_peak_mib"] = round(extra, 1)
+        rec["workspace_mib"] = round(extra - returned, 1)
         rec["input_mib"] = round(args[0].numel() * args[0].element_size() / 2**20, 1)
     rec["median_ms"] = time_ms(step, device, grads)
     if device.type == "cuda" and rec["impl"] != "torchvision":
@@ -249,5 +254,25 @@ def table(records: Sequence[dict], field: str = "median_ms") -> str:
             if "torchvision" in cols:
                 a, b = idx.get((shape, dtype, p, "torchvision")), idx.get((shape, dtype, p, o))
                 cells.append(f"{a / b:.1f}" if a and b else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def memory_table(records: Sequence[dict]) -> str:
+    """Markdown table of forward+backward memory, MiB: each implementation's extra peak and workspace (the
+    extra peak less the output and gradients), and the workspace as a multiple of the input's size."""
+    recs = [r for r in records if r["pass"] == "fwd+bwd" and "workspace_mib" in r]
+    impls = list(dict.fromkeys(r["impl"] if r.get("mode", "default") == "default" else f"{r['impl']} ({r['mode']})"
+                               for r in recs))
+    idx = {(r["shape"], r["dtype"], r["impl"] if r.get("mode", "default") == "default" else f"{r['impl']} ({r['mode']})"): r
+           for r in recs}
+    head = ["shape", "dtype", "input"] + [f"{i} extra / workspace (x input)" for i in impls]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for shape, dtype in dict.fromkeys((r["shape"], r["dtype"]) for r in recs):
+        cells = [shape, dtype, f"{next(r for k, r in idx.items() if k[:2] == (shape, dtype))['input_mib']:.1f}"]
+        for i in impls:
+            r = idx.get((shape, dtype, i))
+            cells.append(f"{r['extra_peak_mib']:.0f} / {r['workspace_mib']:.0f} ({r['workspace_mib'] / r['input_mib']:.2f}x)"
+                         if r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

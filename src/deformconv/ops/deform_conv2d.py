@@ -181,12 +181,64 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
     """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each, and the fp32
     partial sums no larger than the input (2 bytes an element) or 4 weights, whichever is more."""
     m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    sms = _sm_count(device)
     want = triton.cdiv(3 * sms, max(tiles, 1))
     weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
     input_elems = geo.batch * geo.in_channels * geo.height * geo.width
     by_memory = max(4, (2 * input_elems) // (4 * weight_elems))
     return max(1, min(want, m_tiles // 4, by_memory, 64))
+
+
+# Backward workspace: the scratch memory of one backward beyond the gradients it returns. Per image: the
+# NHWC copies of input and grad_out (when they come NCHW), grad_input's accumulator (fp32; int64 plus an fp32
+# conversion in deterministic mode) and grad_weight's split partials (which reuse the accumulator's memory,
+# see deform_conv2d_backward). Over the whole batch at once that was 4.4x the input's size at det-s3 in
+# fp16; the batch is processed in chunks of images instead, so that it stays within WORKSPACE_BUDGET times
+# the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input kernel (small
+# images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment variable
+# DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest).
+# Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +10% fwd+bwd time.
+WORKSPACE_BUDGET = 1.5
+MIN_CHUNK_PROGRAMS = 512
+
+
+def workspace_budget() -> float:
+    """The backward's scratch budget in multiples of the input's size (DEFORMCONV_WORKSPACE_BUDGET, else
+    WORKSPACE_BUDGET)."""
+    text = os.environ.get("DEFORMCONV_WORKSPACE_BUDGET", "")
+    if not text:
+        return WORKSPACE_BUDGET
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise ValueError(f"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 (a multiple of the input's size, "
+                         f"or inf), got {text!r}")
+    return value
+
+
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, fixed: bool) -> int:
+    """Images per chunk of the backward (the whole batch when the budget allows it, at least 1)."""
+    batch, cin, h, w = input.shape
+    _, cout, ho, wo = grad_out.shape
+    elem = input.element_size()
+    per_image = 0
+    if not input.is_contiguous(memory_format=torch.channels_last):
+        per_image += cin * h * w * elem
+    if not grad_out.is_contiguous(memory_format=torch.channels_last):
+        per_image += cout * ho * wo * elem
+    if need_in:
+        per_image += cin * h * w * (8 + 4 if fixed else 4)
+    if batch <= 1 or per_image == 0:
+        return max(batch, 1)
+    images = math.floor(min(workspace_budget() * batch * cin * h * w * elem / per_image, batch))
+    images = max(images, triton.cdiv(MIN_CHUNK_PROGRAMS, triton.cdiv(ho * wo, 64)))
+    return max(1, min(batch, images))
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -821,6 +873,28 @@ def _transpose_kernel(
     tl.store(dst_ptr + n * A * B + offs_b[None, :] * A + offs_a[:, None], tile.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _channel_sum_kernel(
+    src_ptr,      # [P, C] contiguous (an NHWC tensor's positions x channels)
+    part_ptr,     # [P tiles, C] fp32: one partial sum per program row
+    P, C,
+    ROWS: tl.constexpr,       # positions per program (a multiple of BLOCK_P)
+    BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """part[i, c] = sum of src[p, c] over the ROWS positions p of program i, in fp32: grad_bias from an NHWC
+    grad_out without the fp32 staging copies torch's reduction makes of a channels-last tensor (4x its size,
+    measured). Grid: (P tiles, C tiles)."""
+    pid_p = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for r in range(0, ROWS, BLOCK_P):
+        offs_p = pid_p * ROWS + r + tl.arange(0, BLOCK_P)
+        ptrs = src_ptr + offs_p.to(tl.int64)[:, None] * C + offs_c[None, :]
+        acc += tl.sum(tl.load(ptrs, mask=(offs_p < P)[:, None] & c_ok[None, :], other=0.0).to(tl.float32), 0)
+    tl.store(part_ptr + pid_p.to(tl.int64) * C + offs_c, acc, mask=c_ok)
+
+
 # --- launchers -----------------------------------------------------------------------------------------
 
 
@@ -838,6 +912,27 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
     return out
 
 
+_CHANNEL_SUMS: Dict[tuple, "_Launch"] = {}
+
+
+def _channel_sum(t: Tensor) -> Tensor:
+    """Sum over N, H, W of an [N, C, H, W] channels-last tensor: [C] fp32, the same bits every run (partial
+    sums per program, then added in a fixed order)."""
+    n, c, h, w = t.shape
+    positions = n * h * w
+    rows, block_c = 256, min(triton.next_power_of_2(max(c, 1)), 128)
+    part = torch.empty((triton.cdiv(positions, rows), c), dtype=torch.float32, device=t.device)
+    if part.numel():
+        key = (t.device, t.dtype, positions, c, t.data_ptr() % 16 == 0)
+        run = _CHANNEL_SUMS.get(key)
+        if run is None:
+            grid = (part.shape[0], triton.cdiv(c, block_c))
+            run = _remember(_CHANNEL_SUMS, key, _Launch(_channel_sum_kernel, grid, (positions, c),
+                                                        dict(ROWS=rows, BLOCK_P=32, BLOCK_C=block_c, num_warps=4)))
+        run(t, part)
+    return part.sum(0)
+
+
 def _nhwc(t: Tensor) -> Tensor:
     """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass."""
     if t.is_contiguous(memory_format=torch.channels_last):
@@ -850,14 +945,12 @@ def _nhwc(t: Tensor) -> Tensor:
     return _transpose_last(t, c, h * w, out)
 
 
-def _from_nhwc(buf: Tensor, like: Tensor) -> Tensor:
-    """A [N, H, W, C] buffer as a tensor shaped and laid out like ``like`` (its dtype and memory format)."""
-    nchw_view = buf.permute(0, 3, 1, 2)
-    if suggest_memory_format(like) == torch.channels_last or buf.device.type != "cuda":
-        return nchw_view.to(like.dtype).contiguous(memory_format=suggest_memory_format(like))
-    n, h, w, c = buf.shape
-    out = torch.empty(like.shape, dtype=like.dtype, device=like.device)
-    return _transpose_last(buf, h * w, c, out)
+def _from_nhwc(buf: Tensor, out: Tensor) -> Tensor:
+    """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, H, W, C] buffer."""
+    if out.is_contiguous() and buf.device.type == "cuda" and out.numel():
+        n, h, w, c = buf.shape
+        return _transpose_last(buf, h * w, c, out)
+    return out.copy_(buf.permute(0, 3, 1, 2))
 
 
 def pack_weight(weight: Tensor, groups: int) -> Tensor:
@@ -1034,27 +1127,77 @@ def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
 ):
-    """Gradients (input, offset, mask, weight, bias), None where not needed. Under
+    """Gradients (input, offset, mask, weight, bias), None where not needed. The batch is processed in
+    chunks of images (backward_chunk_images) to bound the scratch memory. Under
     torch.use_deterministic_algorithms(True) grad_input is summed in int64 fixed point (_fixed_point_scales)
     instead of with float atomics, so every gradient is bitwise reproducible."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
-    need_in = bool(need_in)
+    need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
     need_mask = bool(need_mask and mask is not None)
+    grad_out = grad_out.to(input.dtype)
+    off = offset.contiguous()
+    msk = mask.contiguous() if mask is not None else None
+    groups = input.shape[1] // weight.shape[1]
+    wp = pack_weight(weight.to(input.dtype), groups)
+    fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
+    scales = None
+    if fixed_gin:  # one scale for all chunks, from the whole grad_out
+        count = grad_out.shape[-2] * grad_out.shape[-1] * weight.shape[-2] * weight.shape[-1]
+        scales = _fixed_point_scales(grad_out, wp, msk, count)
+
+    # --- allocate what is returned ---
+    grad_in = torch.empty(input.shape, dtype=input.dtype, device=input.device,
+                          memory_format=suggest_memory_format(input)) if need_in else None
+    grad_off = torch.empty_like(off) if need_off else None
+    grad_mask = torch.empty_like(msk) if need_mask else None
+
+    # --- run the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
+    batch = input.shape[0]
+    step = backward_chunk_images(input, grad_out, need_in, fixed_gin)
+    grad_w = grad_b = None
+    for n0 in range(0, max(batch, 1), step):
+        sl = slice(n0, n0 + step)
+        part_w, part_b = _backward_images(
+            grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
+            weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
+            grad_mask[sl] if need_mask else None, need_w, bool(need_b))
+        if need_w:
+            grad_w = part_w if grad_w is None else grad_w.add_(part_w)
+        if need_b:
+            grad_b = part_b if grad_b is None else grad_b.add_(part_b)
+    if need_w:
+        grad_w = _unpack_weight_grad(grad_w, weight, groups)
+    if need_b:
+        grad_b = grad_b.to(weight.dtype)
+    return grad_in, grad_off, grad_mask, grad_w, grad_b
+
+
+def _backward_images(
+    grad_out: Tensor, input: Tensor, off: Tensor, wp: Tensor, mask: Optional[Tensor],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
+    scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
+    grad_mask: Optional[Tensor], need_w: bool, need_b: bool,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
+    tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
+    Cin_g, Cout_g] fp32, and grad_bias sum, [Cout] fp32 (each None when not needed). Scratch, freed in an order that keeps the peak low: the NHWC
+    copies of input and grad_out, grad_input's accumulator (freed before grad_weight's partials exist)."""
+    # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
-    go = _nhwc(grad_out.to(input.dtype))
-    x, off, msk, wp = _prepare(input, offset, weight, mask)
-    fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
-    if fixed_gin:
-        count = grad_out.shape[-2] * grad_out.shape[-1] * weight.shape[-2] * weight.shape[-1]
-        scales = _fixed_point_scales(go, wp, mask, count)
-    key = _plan_key("bwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, go), go.stride(),
-                    need_in, fixed_gin, bool(need_off), need_mask, bool(need_w))
+    go = _nhwc(grad_out)
+    x = _nhwc(input)
+    msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
+    need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
+    fixed_gin = scales is not None
+    key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
+                    (x, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
+                    need_in, fixed_gin, need_off, need_mask, need_w)
     plan = _PLANS.get(key)
     if plan is None:
-        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+        geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
         seg = segment_length(geo)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
@@ -1062,14 +1205,14 @@ def deform_conv2d_backward(
         plan = dict(geo=geo, seg=seg, args=args, meta=meta)
     geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
     cout_g = geo.out_channels // geo.groups
-    grad_in = grad_off = grad_mask = grad_w = grad_b = None
+    grad_w = None
 
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     if need_in or need_off or need_mask:
         gin = torch.empty((geo.batch, geo.height, geo.width, geo.in_channels),
                           dtype=torch.int64 if fixed_gin else torch.float32, device=input.device) if need_in else off
-        goff = torch.empty_like(off) if need_off else off
-        gmsk = torch.empty_like(msk) if need_mask else off
+        goff = grad_off if need_off else off
+        gmsk = grad_mask if need_mask else off
         scale = scales[0] if fixed_gin else off
 
         def launch_data(cfg: Config) -> _Launch:
@@ -1096,8 +1239,13 @@ def deform_conv2d_backward(
             if need_in:
                 gin.zero_()
             plan["data"](x, off, msk, wp, go, gin, goff, gmsk, scale)
-        grad_off = goff if need_off else None
-        grad_mask = gmsk if need_mask else None
+        # grad_input from its NHWC accumulator (fp32, or int64 fixed point) into the returned tensor, then
+        # the accumulator is freed: grad_weight's partials below take its place
+        if need_in:
+            if fixed_gin:
+                gin = gin.to(torch.float32).mul_(scales[1])
+            _from_nhwc(gin, grad_in)
+            del gin
 
     # --- grad_weight: split-M partial sums, added in a fixed order ---
     if need_w:
@@ -1128,16 +1276,8 @@ def deform_conv2d_backward(
                 shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
             part, run = launch_weight(cfg)
             plan["weight"] = (cfg.split, run)
-        grad_w = _unpack_weight_grad(part.sum(0), weight, geo.groups)
+        grad_w = part.sum(0)
         del part
-    if need_b:
-        grad_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype)
-    # --- grad_input from its NHWC accumulator (fp32, or int64 fixed point), last: the input's NHWC copy and
-    # the grad_weight partials are freed by then, which lowers the peak by about one input's size ---
-    if need_in:
-        del x, go
-        if fixed_gin:
-            gin = gin.to(torch.float32).mul_(scales[1])
-        grad_in = _from_nhwc(gin, input)
+    grad_b = _channel_sum(go) if need_b else None
     _remember(_PLANS, key, plan)
-    return grad_in, grad_off, grad_mask, grad_w, grad_b
+    return grad_w, grad_b

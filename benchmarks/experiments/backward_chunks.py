@@ -1,0 +1,127 @@
+"""Time and size the backward's image chunks side by side: forward+backward under several workspace budgets.
+
+    PYTHONPATH=src python benchmarks/experiments/backward_chunks.py --shapes det-s3 det-s4 --dtypes float16 \
+        --layouts nchw channels_last --variants whole default 1.5,0 1.5,256
+
+The Triton backward processes the batch in chunks of images (``backward_chunk_images``) so that its scratch
+memory (NHWC copies, grad_input's accumulator, grad_weight's partials) stays within ``WORKSPACE_BUDGET`` times
+the input's size, unless a chunk would then have fewer than ``MIN_CHUNK_PROGRAMS`` M tiles. A variant is
+"default" (the committed values), "whole" (no chunks: the batch at once) or "budget,min_programs". For each:
+images per chunk, forward+backward time through the public op (``triton.testing.do_bench_cudagraph`` median),
+the extra peak memory of one forward+backward, the workspace (that peak less the output and the gradients,
+which any implementation returns) as a multiple of the input's size, and every gradient checked against the
+"whole" variant's (max |diff| / max |ref|: only grad_input's atomics may add in another order).
+Prints a table, last; ``--out`` writes the records as JSON.
+
+Without a GPU (TRITON_INTERPRET=1) it runs on the CPU and only checks: a smoke test (tests/test_experiments.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from typing import List
+
+import torch
+
+import deformconv
+import deformconv.ops.deform_conv2d as K
+from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
+
+
+def _variant(text: str):
+    if text == "default":
+        return K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS
+    if text == "whole":
+        return float("inf"), 0
+    try:
+        budget, programs = text.split(",")
+        return float(budget), int(programs)
+    except ValueError:
+        raise ValueError(f"--variants: expected 'default', 'whole' or budget,min_programs (e.g. 1.5,512), got {text!r}")
+
+
+def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str], device: torch.device,
+        log=print) -> List[dict]:
+    settings = {v: _variant(v) for v in ["whole"] + [v for v in variants if v != "whole"]}
+    saved = (K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS)
+    records = []
+    try:
+        for (shape_name, shape), dtype_name, layout in itertools.product(shapes.items(), dtypes, layouts):
+            x, off, w, b, m, (stride, padding, dilation) = layer_inputs(shape, dtype_name, device)
+            if layout == "channels_last":
+                x = x.contiguous(memory_format=torch.channels_last)
+            leaves = [t.detach().requires_grad_(True) for t in (x, off, w, b, m)]
+
+            def forward():
+                return deformconv.deform_conv2d(*leaves[:4], stride=stride, padding=padding, dilation=dilation,
+                                                mask=leaves[4], backend="triton")
+
+            grad_out = torch.randn_like(forward())
+
+            def step():
+                forward().backward(grad_out)
+
+            input_bytes = x.numel() * x.element_size()
+            reference = None
+            for name, (budget, programs) in settings.items():
+                K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS = budget, programs
+                rec = dict(shape=shape_name, dtype=dtype_name, layout=layout, variant=name,
+                           images_per_chunk=K.backward_chunk_images(x, grad_out, True, False), batch=x.shape[0])
+                for t in leaves:
+                    t.grad = None
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    base = torch.cuda.memory_allocated()
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    extra = torch.cuda.max_memory_allocated() - base
+                    # what any implementation holds at the end of the step: the output (grad_out's size) and the gradients
+                    returned = sum(t.grad.numel() * t.grad.element_size() for t in leaves) + grad_out.numel() * grad_out.element_size()
+                    rec.update(extra_peak_mib=extra / 2**20, workspace_x_input=(extra - returned) / input_bytes)
+                grads = [t.grad.clone() for t in leaves]
+                if reference is None:
+                    reference = grads
+                rec["max_rel_err"] = max_rel_err(grads, reference)
+                if device.type == "cuda":
+                    from triton.testing import do_bench_cudagraph
+
+                    rec["graph_ms"] = do_bench_cudagraph(step, rep=60, grad_to_none=leaves, return_mode="median")
+                records.append(rec)
+                log(json.dumps(rec))
+    finally:
+        K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS = saved
+    return records
+
+
+def table(records: List[dict]) -> str:
+    lines = ["| shape | dtype | layout | variant | images/chunk | fwd+bwd ms | extra peak MiB | workspace / input | max rel err |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
+        mib = f"{r['extra_peak_mib']:.1f}" if "extra_peak_mib" in r else "-"
+        ws = f"{r['workspace_x_input']:.2f}" if "workspace_x_input" in r else "-"
+        lines.append(f"| {r['shape']} | {r['dtype']} | {r['layout']} | {r['variant']} | {r['images_per_chunk']}/{r['batch']} "
+                     f"| {ms} | {mib} | {ws} | {r['max_rel_err']:.1e} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> List[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_shape_args(ap)
+    ap.add_argument("--layouts", nargs="+", default=["nchw"], choices=["nchw", "channels_last"])
+    ap.add_argument("--variants", nargs="+", default=["whole", "default"])
+    args = ap.parse_args(argv)
+    for v in args.variants:
+        _variant(v)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    records = run(shapes_from_args(args), args.dtypes, args.layouts, args.variants, device)
+    return finish(records, args.out, table(records))
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
