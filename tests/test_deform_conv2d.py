@@ -418,3 +418,19 @@ def test_workspace_budget_from_the_environment(monkeypatch):
         monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
         with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):
             kernels.backward_chunk_images(x, x, True, False)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_bias_gradient_alone(backend, dtype, layout):
+    """Only the bias needs a gradient: the Triton backward sums grad_out's channels (its own reduction kernel,
+    in fp32) and nothing else; grad_out in either layout."""
+    args, kwargs = make_case(n=3, cin=4, cout=37, h=9, w=10, kh=3, kw=3, padding=1, dtype=dtype, seed=8)
+    x, offset, weight, bias = args
+    b = bias.detach().requires_grad_(True)
+    out = deformconv.deform_conv2d(x, offset, weight, b, **kwargs, backend=backend)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    if layout == "channels_last":
+        grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    out.backward(grad_out.to(dtype))
+    assert_close(b.grad, grad_out.to(dtype).double().sum((0, 2, 3)), dtype, "grad_bias")

@@ -177,6 +177,10 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     return _unique(cands)[:4]
 
 
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
 def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
     """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each, and the fp32
     partial sums no larger than the input (2 bytes an element) or 4 weights, whichever is more."""
@@ -192,7 +196,7 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 # Backward workspace: the scratch memory of one backward beyond the gradients it returns. Per image: the
 # NHWC copies of input and grad_out (when they come NCHW), grad_input's accumulator (fp32; int64 plus an fp32
 # conversion in deterministic mode) and grad_weight's split partials (which reuse the accumulator's memory,
-# see deform_conv2d_backward). Over the whole batch at once that was 4.4x the input's size at det-s3 in
+# see _backward_images). Over the whole batch at once that was 4.4x the input's size at det-s3 in
 # fp16; the batch is processed in chunks of images instead, so that it stays within WORKSPACE_BUDGET times
 # the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input kernel (small
 # images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment variable
@@ -216,10 +220,6 @@ def workspace_budget() -> float:
         raise ValueError(f"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 (a multiple of the input's size, "
                          f"or inf), got {text!r}")
     return value
-
-
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, fixed: bool) -> int:
@@ -1052,8 +1052,8 @@ class _Launch:
 
 
 def _prepare(input, offset, weight, mask):
-    """What every kernel reads: the input as NHWC, offset and mask contiguous (the mask pointer falls back
-    to the offset when there is none; it is then never read) and the repacked weight."""
+    """What the forward kernel reads: the input as NHWC, offset and mask contiguous (the mask pointer falls
+    back to the offset when there is none; it is then never read) and the repacked weight."""
     off = offset.contiguous()
     msk = mask.contiguous() if mask is not None else off
     return _nhwc(input), off, msk, pack_weight(weight.to(input.dtype), input.shape[1] // weight.shape[1])
@@ -1181,16 +1181,17 @@ def _backward_images(
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
-    Cin_g, Cout_g] fp32, and grad_bias sum, [Cout] fp32 (each None when not needed). Scratch, freed in an order that keeps the peak low: the NHWC
-    copies of input and grad_out, grad_input's accumulator (freed before grad_weight's partials exist)."""
+    Cin_g, Cout_g] fp32, and its grad_bias sum, [Cout] fp32 (each None when not needed). Its scratch: the
+    NHWC copies of input and grad_out, and grad_input's accumulator, freed before grad_weight's partials
+    are allocated (so the two never add up)."""
     # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
-    go = _nhwc(grad_out)
-    x = _nhwc(input)
-    msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
+    go = _nhwc(grad_out)
+    x = _nhwc(input) if need_in or need_off or need_mask or need_w else input  # not for grad_bias alone
+    msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                     (x, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
