@@ -28,7 +28,7 @@ import torch
 
 import deformconv
 import deformconv.ops.deform_conv2d as K
-from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
+from common import add_shape_args, finish, layer_inputs, markdown, max_rel_err, shapes_from_args
 
 
 def _variant(text: str):
@@ -99,15 +99,15 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
 
 
 def table(records: List[dict]) -> str:
-    lines = ["| shape | dtype | layout | variant | images/chunk | fwd+bwd ms | extra peak MiB | workspace / input | max rel err |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in records:
-        ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
-        mib = f"{r['extra_peak_mib']:.1f}" if "extra_peak_mib" in r else "-"
-        ws = f"{r['workspace_x_input']:.2f}" if "workspace_x_input" in r else "-"
-        lines.append(f"| {r['shape']} | {r['dtype']} | {r['layout']} | {r['variant']} | {r['images_per_chunk']}/{r['batch']} "
-                     f"| {ms} | {mib} | {ws} | {r['max_rel_err']:.1e} |")
-    return "\n".join(lines)
+    def cell(r, field, fmt):
+        return format(r[field], fmt) if field in r else "-"
+
+    return markdown(
+        ["shape", "dtype", "layout", "variant", "images/chunk", "fwd+bwd ms", "extra peak MiB", "workspace / input",
+         "max rel err"],
+        [[r["shape"], r["dtype"], r["layout"], r["variant"], f"{r['images_per_chunk']}/{r['batch']}",
+          cell(r, "graph_ms", ".3f"), cell(r, "extra_peak_mib", ".1f"), cell(r, "workspace_x_input", ".2f"),
+          cell(r, "max_rel_err", ".1e")] for r in records])
 
 
 def main(argv=None) -> List[dict]:

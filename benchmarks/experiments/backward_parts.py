@@ -25,7 +25,7 @@ from typing import List
 import torch
 
 import deformconv.ops.deform_conv2d as K
-from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
+from common import add_shape_args, finish, layer_inputs, markdown, max_rel_err, shapes_from_args
 
 GRADS = ("input", "offset", "mask", "weight", "bias")
 PARTS = {"input": "input", "offset+mask": "offset mask", "input+offset+mask": "input offset mask",
@@ -58,12 +58,12 @@ def run(shapes: dict, dtypes: List[str], device: torch.device, log=print) -> Lis
 
 def table(records: List[dict]) -> str:
     parts = list(PARTS) + ["fwd"]
-    lines = ["| shape | dtype | " + " | ".join(f"{p} ms" for p in parts) + " |", "|---|---|" + "---|" * len(parts)]
+    rows = []
     for (shape, dtype), recs in itertools.groupby(records, key=lambda r: (r["shape"], r["dtype"])):
         by_part = {r["part"]: r for r in recs}
-        cells = [f"{by_part[p]['graph_ms']:.3f}" if "graph_ms" in by_part.get(p, {}) else "-" for p in parts]
-        lines.append(f"| {shape} | {dtype} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([shape, dtype] + [f"{by_part[p]['graph_ms']:.3f}" if "graph_ms" in by_part.get(p, {}) else "-"
+                                      for p in parts])
+    return markdown(["shape", "dtype"] + [f"{p} ms" for p in parts], rows)
 
 
 def main(argv=None) -> List[dict]:

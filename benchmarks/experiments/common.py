@@ -41,6 +41,12 @@ def max_rel_err(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> f
                for o, r in zip(outs, refs))
 
 
+def markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A markdown table of these column names and rows of cells."""
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
 def finish(records: List[dict], out: str, table: str) -> List[dict]:
     """Write the records as JSON to out (if given), print the table last."""
     if out:

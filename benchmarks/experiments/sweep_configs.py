@@ -29,7 +29,7 @@ import torch
 import triton
 
 import deformconv.ops.deform_conv2d as K
-from common import add_shape_args, finish, layer_inputs, max_rel_err, shapes_from_args
+from common import add_shape_args, finish, layer_inputs, markdown, max_rel_err, shapes_from_args
 from deformconv.benchmark import DTYPES
 
 KINDS = {"fwd": "_fwd_candidates", "bwd_data": "_bwd_data_candidates", "bwd_weight": "_bwd_weight_candidates"}
@@ -104,14 +104,14 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
 
 
 def table(records: List[dict]) -> str:
-    lines = ["| kernel | shape | dtype | config | tiling | prefetch | graph ms | max rel err | config used |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    rows = []
     for r in records:
         ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else r.get("error", "-")
-        lines.append(f"| {r['kernel']} | {r['shape']} | {r['dtype']} | {r['config']} | {r['tiling']} | {r['prefetch']} "
-                     f"| {ms} | {err} | {r.get('used', '-')} |")
-    return "\n".join(lines)
+        rows.append([r["kernel"], r["shape"], r["dtype"], r["config"], r["tiling"], r["prefetch"], ms, err,
+                     r.get("used", "-")])
+    return markdown(["kernel", "shape", "dtype", "config", "tiling", "prefetch", "graph ms", "max rel err",
+                     "config used"], rows)
 
 
 def main(argv=None) -> List[dict]:
