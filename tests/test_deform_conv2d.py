@@ -423,8 +423,8 @@ def test_workspace_budget_from_the_environment(monkeypatch):
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_bias_gradient_alone(backend, dtype, layout):
-    """Only the bias needs a gradient: the Triton backward sums grad_out's channels (its own reduction kernel,
-    in fp32) and nothing else; grad_out in either layout."""
+    """Only the bias needs a gradient: the Triton backward's channel-sum kernel (fp32, 2 programs of
+    positions, a channel tile wider than Cout = 37) gives grad_out's sum over N, H, W, in either layout."""
     args, kwargs = make_case(n=3, cin=4, cout=37, h=9, w=10, kh=3, kw=3, padding=1, dtype=dtype, seed=8)
     x, offset, weight, bias = args
     b = bias.detach().requires_grad_(True)
