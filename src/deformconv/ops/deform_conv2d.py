@@ -1051,12 +1051,11 @@ class _Launch:
             self.runner = compiled[self.grid]
 
 
-def _prepare(input, offset, weight, mask):
-    """What the forward kernel reads: the input as NHWC, offset and mask contiguous (the mask pointer falls
-    back to the offset when there is none; it is then never read) and the repacked weight."""
-    off = offset.contiguous()
-    msk = mask.contiguous() if mask is not None else off
-    return _nhwc(input), off, msk, pack_weight(weight.to(input.dtype), input.shape[1] // weight.shape[1])
+def _operands(input, offset, weight, mask):
+    """What the kernels read besides the input and grad_out: offset and mask contiguous (a missing mask stays
+    None) and the weight repacked in the input's dtype."""
+    msk = mask.contiguous() if mask is not None else None
+    return offset.contiguous(), msk, pack_weight(weight.to(input.dtype), input.shape[1] // weight.shape[1])
 
 
 def deform_conv2d_forward(
@@ -1065,7 +1064,9 @@ def deform_conv2d_forward(
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
     # --- check and prepare ---
-    x, off, msk, wp = _prepare(input, offset, weight, mask)
+    off, msk, wp = _operands(input, offset, weight, mask)
+    x = _nhwc(input)
+    msk = msk if msk is not None else off  # the mask pointer falls back to the offset; never read then
     b = bias.contiguous() if bias is not None else wp
     key = _plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, b), bias is None)
     plan = _PLANS.get(key)
@@ -1136,10 +1137,8 @@ def deform_conv2d_backward(
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
     need_mask = bool(need_mask and mask is not None)
     grad_out = grad_out.to(input.dtype)
-    off = offset.contiguous()
-    msk = mask.contiguous() if mask is not None else None
+    off, msk, wp = _operands(input, offset, weight, mask)
     groups = input.shape[1] // weight.shape[1]
-    wp = pack_weight(weight.to(input.dtype), groups)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
     scales = None
     if fixed_gin:  # one scale for all chunks, from the whole grad_out
