@@ -261,17 +261,20 @@ def table(records: Sequence[dict], field: str = "median_ms") -> str:
 def memory_table(records: Sequence[dict]) -> str:
     """Markdown table of forward+backward memory, MiB: each implementation's extra peak and workspace (the
     extra peak less the output and gradients), and the workspace as a multiple of the input's size."""
-    recs = [r for r in records if r["pass"] == "fwd+bwd" and "workspace_mib" in r]
-    impls = list(dict.fromkeys(r["impl"] if r.get("mode", "default") == "default" else f"{r['impl']} ({r['mode']})"
-                               for r in recs))
-    idx = {(r["shape"], r["dtype"], r["impl"] if r.get("mode", "default") == "default" else f"{r['impl']} ({r['mode']})"): r
-           for r in recs}
+    def label(r):
+        return r["impl"] if r.get("mode", "default") == "default" else f"{r['impl']} ({r['mode']})"
+
+    rows: Dict[Tuple[str, str], Dict[str, dict]] = {}
+    for r in records:
+        if r["pass"] == "fwd+bwd" and "workspace_mib" in r:
+            rows.setdefault((r["shape"], r["dtype"]), {})[label(r)] = r
+    impls = list(dict.fromkeys(i for by_impl in rows.values() for i in by_impl))
     head = ["shape", "dtype", "input"] + [f"{i} extra / workspace (x input)" for i in impls]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for shape, dtype in dict.fromkeys((r["shape"], r["dtype"]) for r in recs):
-        cells = [shape, dtype, f"{next(r for k, r in idx.items() if k[:2] == (shape, dtype))['input_mib']:.1f}"]
+    for (shape, dtype), by_impl in rows.items():
+        cells = [shape, dtype, f"{next(iter(by_impl.values()))['input_mib']:.1f}"]
         for i in impls:
-            r = idx.get((shape, dtype, i))
+            r = by_impl.get(i)
             cells.append(f"{r['extra_peak_mib']:.0f} / {r['workspace_mib']:.0f} ({r['workspace_mib'] / r['input_mib']:.2f}x)"
                          if r else "-")
         lines.append("| " + " | ".join(cells) + " |")
