@@ -26,6 +26,29 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
             assert c.block_k >= 16 and c.block_n >= 16 and c.block_m >= 16 and c.split >= 1
             if dtype == torch.float32:  # 64-wide fp32 chunks only unpipelined: 2 stages of them overflow shared memory
                 assert c.block_k <= 32 or c.num_stages == 1
+            assert c.maxnreg is None or (dtype != torch.float32 and c.maxnreg >= 128)  # caps measured in half only
+
+
+@pytest.mark.parametrize("shape,dtype,data_cap,weight_cap", [
+    ("det-s3", torch.float16, None, None), ("det-s4", torch.float16, None, 128), ("cls-14", torch.bfloat16, None, 128),
+    ("hires-g8", torch.float16, 128, 168), ("hires-g8", torch.float32, None, None), ("det-s4", torch.float32, None, None),
+])
+def test_register_caps_where_measured(shape, dtype, data_cap, weight_cap):
+    """The backward's default configs cap registers exactly where the H200 sweep measured a gain (half dtypes;
+    see the comment above DATA_PACKED_MAXNREG): never the forward, never fp32, not the det-s3 backward."""
+    geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
+           "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
+    seg = deform_ops.segment_length(geo)
+    assert deform_ops._fwd_candidates(geo, seg, dtype)[0].maxnreg is None
+    assert deform_ops._bwd_data_candidates(geo, seg, dtype)[0].maxnreg == data_cap
+    assert deform_ops._bwd_data_candidates(geo, seg, dtype, fixed=True)[0].maxnreg is None
+    assert deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))[0].maxnreg == weight_cap
+
+
+def test_config_launch_options():
+    assert deform_ops.Config(64, 64, 32, 4, 1).launch_options() == dict(num_warps=4, num_stages=1)
+    assert deform_ops.Config(64, 64, 32, 4, 1, maxnreg=168).launch_options() == dict(num_warps=4, num_stages=1,
+                                                                                      maxnreg=168)
 
 
 def test_default_is_the_heuristic_without_autotune(monkeypatch):

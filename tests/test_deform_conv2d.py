@@ -396,13 +396,15 @@ def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, 
     kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
     x = _meta((8, 128, 100, 152), dtype, channels_last)
     go = _meta((8, 128, 100, 152), dtype, channels_last)
-    assert kernels.backward_chunk_images(x, go, True, deterministic) == images
-    # without grad_input (grad_weight/offset only) and channels-last tensors there is no scratch to bound
-    assert kernels.backward_chunk_images(_meta((8, 128, 100, 152), dtype, True), _meta((8, 128, 100, 152), dtype, True),
-                                         False, False) == 8
+    assert kernels.backward_chunk_images(x, go, True, True, deterministic) == images
+    # without grad_input and grad_weight (grad_offset only), channels-last: there is no scratch to bound; with
+    # grad_weight its fp32 partials count as the accumulator would (2 inputs' worth in fp16)
+    cl = _meta((8, 128, 100, 152), dtype, True)
+    assert kernels.backward_chunk_images(cl, cl, False, False, False) == 8
+    assert kernels.backward_chunk_images(cl, cl, False, True, False) == (6 if dtype == torch.float16 else 8)
     # small images: a chunk keeps MIN_CHUNK_PROGRAMS M tiles (cls-14: 64 images of 14x14 -> 4 tiles each)
     small = _meta((64, 256, 14, 14), dtype, channels_last)
-    assert kernels.backward_chunk_images(small, small, True, deterministic) == 64
+    assert kernels.backward_chunk_images(small, small, True, True, deterministic) == 64
 
 
 def test_workspace_budget_from_the_environment(monkeypatch):
@@ -411,26 +413,33 @@ def test_workspace_budget_from_the_environment(monkeypatch):
     kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
     x = _meta((8, 128, 100, 152), torch.float16)
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")
-    assert kernels.backward_chunk_images(x, x, True, False) == 8
+    assert kernels.backward_chunk_images(x, x, True, True, False) == 8
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
-    assert kernels.backward_chunk_images(x, x, True, False) == 4
+    assert kernels.backward_chunk_images(x, x, True, True, False) == 4
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
         with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):
-            kernels.backward_chunk_images(x, x, True, False)
+            kernels.backward_chunk_images(x, x, True, True, False)
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last", "width-one"])
 def test_bias_gradient_alone(backend, dtype, layout):
     """Only the bias needs a gradient: the Triton backward's channel-sum kernel (fp32, 2 programs of
-    positions, a channel tile wider than Cout = 37) gives grad_out's sum over N, H, W, in either layout."""
-    args, kwargs = make_case(n=3, cin=4, cout=37, h=9, w=10, kh=3, kw=3, padding=1, dtype=dtype, seed=8)
+    positions an image, a channel tile wider than Cout = 37) gives grad_out's sum over N, H, W, in either
+    layout; "width-one": W = 1 and grad_out's stride along that size-1 dim is arbitrary (999)."""
+    width = 1 if layout == "width-one" else 16
+    args, kwargs = make_case(n=3, cin=4, cout=37, h=17, w=width, kh=3, kw=3, padding=1, dtype=dtype, seed=8)
     x, offset, weight, bias = args
     b = bias.detach().requires_grad_(True)
     out = deformconv.deform_conv2d(x, offset, weight, b, **kwargs, backend=backend)
     grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
     if layout == "channels_last":
         grad_out = grad_out.contiguous(memory_format=torch.channels_last)
+    elif layout == "width-one":
+        n, c, h, _ = out.shape
+        odd = torch.empty_strided(out.shape, (h * c, 1, c, 999), dtype=torch.float64)
+        grad_out = odd.copy_(grad_out)
+        assert grad_out.is_contiguous(memory_format=torch.channels_last)
     out.backward(grad_out.to(dtype))
     assert_close(b.grad, grad_out.to(dtype).double().sum((0, 2, 3)), dtype, "grad_bias")

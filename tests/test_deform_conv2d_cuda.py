@@ -340,7 +340,7 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
     returned = out_bytes + sum(t.grad.numel() * t.grad.element_size() for t in leaves)
     workspace = torch.cuda.max_memory_allocated() - base - returned
     input_bytes = args[0].numel() * args[0].element_size()
-    assert kernels.backward_chunk_images(leaves[0], gout, True, False) < 8
+    assert kernels.backward_chunk_images(leaves[0], gout, True, True, False) < 8
     assert workspace <= 2 * input_bytes, f"workspace {workspace / input_bytes:.2f}x the input"
     chunked = [t.grad.clone() for t in leaves]
     monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", float("inf"))

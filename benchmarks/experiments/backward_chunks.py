@@ -6,7 +6,8 @@
 The Triton backward processes the batch in chunks of images (``backward_chunk_images``) so that its scratch
 memory (NHWC copies, grad_input's accumulator, grad_weight's partials) stays within ``WORKSPACE_BUDGET`` times
 the input's size, unless a chunk would then have fewer than ``MIN_CHUNK_PROGRAMS`` M tiles. A variant is
-"default" (the committed values), "whole" (no chunks: the batch at once) or "budget,min_programs". For each:
+"default" (the committed values), "whole" (no chunks: the batch at once) or
+"budget,min_programs[,split_partial_bytes]" (the last: grad_weight's partials per input element). For each:
 images per chunk, forward+backward time through the public op (``triton.testing.do_bench_cudagraph`` median),
 the extra peak memory of one forward+backward, the workspace (that peak less the output and the gradients,
 which any implementation returns) as a multiple of the input's size, and every gradient checked against the
@@ -32,21 +33,25 @@ from common import add_shape_args, finish, layer_inputs, markdown, max_rel_err, 
 
 
 def _variant(text: str):
+    """(WORKSPACE_BUDGET, MIN_CHUNK_PROGRAMS, SPLIT_PARTIAL_BYTES) of a variant."""
     if text == "default":
-        return K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS
+        return K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS, K.SPLIT_PARTIAL_BYTES
     if text == "whole":
-        return float("inf"), 0
+        return float("inf"), 0, K.SPLIT_PARTIAL_BYTES
     try:
-        budget, programs = text.split(",")
-        return float(budget), int(programs)
+        fields = text.split(",")
+        if len(fields) not in (2, 3):
+            raise ValueError
+        return float(fields[0]), int(fields[1]), int(fields[2]) if len(fields) == 3 else K.SPLIT_PARTIAL_BYTES
     except ValueError:
-        raise ValueError(f"--variants: expected 'default', 'whole' or budget,min_programs (e.g. 1.5,512), got {text!r}")
+        raise ValueError(f"--variants: expected 'default', 'whole' or budget,min_programs[,split_partial_bytes] "
+                         f"(e.g. 1.5,512 or 1.5,512,2), got {text!r}")
 
 
 def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str], device: torch.device,
         log=print) -> List[dict]:
     settings = {v: _variant(v) for v in ["whole"] + [v for v in variants if v != "whole"]}
-    saved = (K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS)
+    saved = (K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS, K.SPLIT_PARTIAL_BYTES)
     records = []
     try:
         for (shape_name, shape), dtype_name, layout in itertools.product(shapes.items(), dtypes, layouts):
@@ -66,10 +71,12 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
 
             input_bytes = x.numel() * x.element_size()
             reference = None
-            for name, (budget, programs) in settings.items():
-                K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS = budget, programs
+            for name, setting in settings.items():
+                K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS, K.SPLIT_PARTIAL_BYTES = setting
+                K._TUNED.clear()  # the split is derived when a config is chosen, and kept in the plans
+                K._PLANS.clear()
                 rec = dict(shape=shape_name, dtype=dtype_name, layout=layout, variant=name,
-                           images_per_chunk=K.backward_chunk_images(x, grad_out, True, False), batch=x.shape[0])
+                           images_per_chunk=K.backward_chunk_images(x, grad_out, True, True, False), batch=x.shape[0])
                 for t in leaves:
                     t.grad = None
                 if device.type == "cuda":
@@ -94,7 +101,9 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
                 records.append(rec)
                 log(json.dumps(rec))
     finally:
-        K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS = saved
+        K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS, K.SPLIT_PARTIAL_BYTES = saved
+        K._TUNED.clear()
+        K._PLANS.clear()
     return records
 
 

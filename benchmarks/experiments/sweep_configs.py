@@ -4,11 +4,15 @@
         --dtypes float16 float32 --configs default 64,128,64,4 128,128,32,4
     PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel fwd --shapes hires-g8 \\
         --dtypes bfloat16 --tilings auto flat image --prefetch on off
+    PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_data --shapes det-s3 \
+        --maxnreg none 168 128
 
 A variant replaces the kernel's candidate list with one config ("default": the heuristic's first choice;
 else "block_m,block_n,block_k,num_warps[,num_stages[,split]]", grad_weight's split derived as the product
 does when omitted) and forces the tiling of output positions and the prefetch choice; launch plans are
-cleared between variants. It runs through the product's host path: the forward, or the backward asked for
+cleared between variants. ``--maxnreg`` caps the registers per thread of every variant (``auto``: the
+heuristic's cap, ``none``: no cap; ptxas spills the rest; fewer registers let more programs share a
+multiprocessor). It runs through the product's host path: the forward, or the backward asked for
 that kernel's gradients only (bwd_data: input, offset, mask; bwd_weight: weight), so the times include the
 host-side copies each path makes. Every variant's results are checked against the first variant's (max
 |diff| / max |ref| over its outputs: a wrong variant shows up, it is never silently timed) and timed with
@@ -20,10 +24,11 @@ Without a GPU (TRITON_INTERPRET=1) it runs on the CPU and only checks: a smoke t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 import torch
 import triton
@@ -53,7 +58,7 @@ def parse_config(text: str, kind: str, geo, seg: int, device) -> Optional[K.Conf
 
 
 def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tilings: List[str],
-          prefetch: List[str], device: torch.device, log=print) -> List[dict]:
+          prefetch: List[str], device: torch.device, log=print, maxnregs: Sequence = ("auto",)) -> List[dict]:
     original = {name: getattr(K, name) for name in (KINDS[kind], "per_image_tiles", "prefetch_packed")}
     records = []
     try:
@@ -71,16 +76,24 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
                 return tuple(g for g in K.deform_conv2d_backward(go, x, off, w, m, *geom, NEEDS[kind]) if g is not None)
 
             ref = None
-            for cfg_text, tiling, pf in itertools.product(configs, tilings, prefetch):
+            for cfg_text, tiling, pf, maxnreg in itertools.product(configs, tilings, prefetch, maxnregs):
                 cfg = parse_config(cfg_text, kind, geo, seg, device)
-                setattr(K, KINDS[kind], original[KINDS[kind]] if cfg is None else (lambda *a, _c=cfg: [_c]))
+                if cfg is None and maxnreg == "auto":  # the heuristic's choice as is
+                    setattr(K, KINDS[kind], original[KINDS[kind]])
+                elif cfg is None:  # the heuristic's first choice, with this register cap
+                    setattr(K, KINDS[kind], lambda *a, _f=original[KINDS[kind]], _r=maxnreg:
+                            [dataclasses.replace(_f(*a)[0], maxnreg=_r)])
+                else:
+                    cap = None if maxnreg == "auto" else maxnreg
+                    setattr(K, KINDS[kind], lambda *a, _c=dataclasses.replace(cfg, maxnreg=cap): [_c])
                 K.per_image_tiles = {"auto": original["per_image_tiles"], "flat": lambda *a: False,
                                      "image": lambda *a: True}[tiling]
                 K.prefetch_packed = {"auto": original["prefetch_packed"], "on": lambda *a: True,
                                      "off": lambda *a: False}[pf]
                 K._PLANS.clear()
                 K._TUNED.clear()
-                rec = dict(kernel=kind, shape=shape_name, dtype=dtype_name, config=cfg_text, tiling=tiling, prefetch=pf)
+                rec = dict(kernel=kind, shape=shape_name, dtype=dtype_name, config=cfg_text, tiling=tiling, prefetch=pf,
+                           maxnreg=maxnreg)
                 try:
                     outs = run()
                     if ref is None:
@@ -108,9 +121,9 @@ def table(records: List[dict]) -> str:
     for r in records:
         ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else r.get("error", "-")
-        rows.append([r["kernel"], r["shape"], r["dtype"], r["config"], r["tiling"], r["prefetch"], ms, err,
-                     r.get("used", "-")])
-    return markdown(["kernel", "shape", "dtype", "config", "tiling", "prefetch", "graph ms", "max rel err",
+        rows.append([r["kernel"], r["shape"], r["dtype"], r["config"], r["tiling"], r["prefetch"],
+                     str(r.get("maxnreg") or "none"), ms, err, r.get("used", "-")])
+    return markdown(["kernel", "shape", "dtype", "config", "tiling", "prefetch", "maxnreg", "graph ms", "max rel err",
                      "config used"], rows)
 
 
@@ -121,10 +134,13 @@ def main(argv=None) -> List[dict]:
     ap.add_argument("--configs", nargs="+", default=["default"])
     ap.add_argument("--tilings", nargs="+", default=["auto"], choices=["auto", "flat", "image"])
     ap.add_argument("--prefetch", nargs="+", default=["auto"], choices=["auto", "on", "off"])
+    ap.add_argument("--maxnreg", nargs="+", default=["auto"],
+                    help="register caps per thread: 'auto' (the heuristic's), 'none' or integers")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    maxnregs = [v if v == "auto" else None if v == "none" else int(v) for v in args.maxnreg]
     records = sweep(args.kernel, shapes_from_args(args), args.dtypes, args.configs, args.tilings, args.prefetch,
-                    device)
+                    device, maxnregs=maxnregs)
     return finish(records, args.out, table(records))
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,14 @@ class Config:
     num_warps: int
     num_stages: int = 2
     split: int = 1  # grad_weight only: how many programs share the M reduction
+    maxnreg: Optional[int] = None  # registers per thread at most (ptxas spills the rest); None: no limit
+
+    def launch_options(self) -> dict:
+        """Triton's launch options of this config."""
+        options = dict(num_warps=self.num_warps, num_stages=self.num_stages)
+        if self.maxnreg is not None:
+            options["maxnreg"] = self.maxnreg
+        return options
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
@@ -143,11 +152,24 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     return _unique(cands)[:4]
 
 
+# Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
+# the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md):
+# grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
+# 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
+# segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: every forward (det-s3 0.296 ->
+# 0.360 at 168) and the chunked grad_input kernel (det-s3 1.31 -> 1.81). fp32 keeps no cap (not measured).
+DATA_PACKED_MAXNREG = 128
+WEIGHT_PACKED_MAXNREG = 168
+WEIGHT_WIDE_MAXNREG = 128
+
+
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed: bool = False) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
+    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and dtype != torch.float32 and not fixed:
+        first = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG)
     cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
              Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
@@ -159,21 +181,25 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     m = geo.batch * geo.out_h * geo.out_w
-    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2), (64, _pow2_clamp(cout_g, 16, 256), bk, 8, 2),
-              (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4, 2), (128, _pow2_clamp(cout_g, 16, 128), bk, 8, 2)]
+    half = dtype != torch.float32
+    # (block_m, block_n, block_k, warps, stages, register cap)
+    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None), (64, _pow2_clamp(cout_g, 16, 256), bk, 8, 2, None),
+              (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4, 2, None),
+              (128, _pow2_clamp(cout_g, 16, 128), bk, 8, 2, None)]
     if _short_segments(geo, seg, "bwd_weight"):
         # packed segments: a 64-wide chunk, unpipelined (plain L1-cached loads instead of cp.async); hires-g8
         # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6)
-        shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1))
+        shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1,
+                          WEIGHT_PACKED_MAXNREG if half else None))
     elif cout_g >= 256 and m >= 16384:  # wide, many positions: one 256-column tile
-        shapes.insert(0, shapes.pop(1))
-    elif cout_g >= 256 and dtype != torch.float32:
+        shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG if half else None,))
+    elif cout_g >= 256 and half:
         # wide, few positions: 128x128 (fp32 keeps 64x128 first: 128x128 spills there, cls-14 3.2 ms vs 0.50)
-        shapes.insert(0, shapes.pop(2))
+        shapes.insert(0, shapes.pop(2)[:5] + (WEIGHT_WIDE_MAXNREG,))
     cands = []
-    for bm, bn, kk, warps, stages in shapes:
+    for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
-        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device)))
+        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device), maxnreg=maxnreg))
     return _unique(cands)[:4]
 
 
@@ -181,15 +207,20 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+# grad_weight's fp32 split partials may take this many bytes per input element: grad_input's fp32
+# accumulator's size, whose memory they reuse (allocated after it is freed, see _backward_images).
+SPLIT_PARTIAL_BYTES = 4
+
+
 def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
     """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each, and the fp32
-    partial sums no larger than the input (2 bytes an element) or 4 weights, whichever is more."""
+    partial sums within SPLIT_PARTIAL_BYTES per input element or 4 weights, whichever is more."""
     m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     sms = _sm_count(device)
     want = triton.cdiv(3 * sms, max(tiles, 1))
     weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
     input_elems = geo.batch * geo.in_channels * geo.height * geo.width
-    by_memory = max(4, (2 * input_elems) // (4 * weight_elems))
+    by_memory = max(4, (SPLIT_PARTIAL_BYTES * input_elems) // (4 * weight_elems))
     return max(1, min(want, m_tiles // 4, by_memory, 64))
 
 
@@ -222,7 +253,7 @@ def workspace_budget() -> float:
     return value
 
 
-def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, fixed: bool) -> int:
+def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool) -> int:
     """Images per chunk of the backward (the whole batch when the budget allows it, at least 1)."""
     batch, cin, h, w = input.shape
     _, cout, ho, wo = grad_out.shape
@@ -232,8 +263,12 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, fixed:
         per_image += cin * h * w * elem
     if not grad_out.is_contiguous(memory_format=torch.channels_last):
         per_image += cout * ho * wo * elem
-    if need_in:
-        per_image += cin * h * w * (8 + 4 if fixed else 4)
+    scratch = 0  # bytes per input element
+    if need_in:  # grad_input's accumulator: fp32, or int64 and its fp32 conversion (deterministic)
+        scratch = 8 + 4 if fixed else 4
+    if need_w:  # grad_weight's partials, in the accumulator's place
+        scratch = max(scratch, SPLIT_PARTIAL_BYTES)
+    per_image += cin * h * w * scratch
     if batch <= 1 or per_image == 0:
         return max(batch, 1)
     images = math.floor(min(workspace_budget() * batch * cin * h * w * elem / per_image, batch))
@@ -875,24 +910,26 @@ def _transpose_kernel(
 
 @triton.jit
 def _channel_sum_kernel(
-    src_ptr,      # [P, C] contiguous (an NHWC tensor's positions x channels)
-    part_ptr,     # [P tiles, C] fp32: one partial sum per program row
-    P, C,
+    src_ptr,      # [N, C, L] with the strides below (an NCHW or channels-last [N, C, H, W] tensor, L = H*W)
+    part_ptr,     # [N, L tiles, C] fp32: one partial sum per program
+    L, C,
+    s_n, s_l, s_c,            # src strides in elements: image, position, channel
     ROWS: tl.constexpr,       # positions per program (a multiple of BLOCK_P)
     BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr,
 ):
-    """part[i, c] = sum of src[p, c] over the ROWS positions p of program i, in fp32: grad_bias from an NHWC
-    grad_out without the fp32 staging copies torch's reduction makes of a channels-last tensor (4x its size,
-    measured). Grid: (P tiles, C tiles)."""
+    """part[n, i, c] = sum of src[n, c, l] over the ROWS positions l of program (i, n), in fp32: grad_bias in
+    either memory format, without the fp32 staging copies torch's reduction makes of a channels-last tensor
+    (4x its size, measured). Grid: (L tiles, C tiles, N)."""
     pid_p = tl.program_id(0)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    n = tl.program_id(2).to(tl.int64)
     c_ok = offs_c < C
     acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
     for r in range(0, ROWS, BLOCK_P):
         offs_p = pid_p * ROWS + r + tl.arange(0, BLOCK_P)
-        ptrs = src_ptr + offs_p.to(tl.int64)[:, None] * C + offs_c[None, :]
-        acc += tl.sum(tl.load(ptrs, mask=(offs_p < P)[:, None] & c_ok[None, :], other=0.0).to(tl.float32), 0)
-    tl.store(part_ptr + pid_p.to(tl.int64) * C + offs_c, acc, mask=c_ok)
+        ptrs = src_ptr + n * s_n + offs_p.to(tl.int64)[:, None] * s_l + offs_c.to(tl.int64)[None, :] * s_c
+        acc += tl.sum(tl.load(ptrs, mask=(offs_p < L)[:, None] & c_ok[None, :], other=0.0).to(tl.float32), 0)
+    tl.store(part_ptr + (n * tl.num_programs(0) + pid_p) * C + offs_c, acc, mask=c_ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -916,21 +953,24 @@ _CHANNEL_SUMS: Dict[tuple, "_Launch"] = {}
 
 
 def _channel_sum(t: Tensor) -> Tensor:
-    """Sum over N, H, W of an [N, C, H, W] channels-last tensor: [C] fp32, the same bits every run (partial
-    sums per program, then added in a fixed order)."""
+    """Sum over N, H, W of an [N, C, H, W] tensor (NCHW or channels-last): [C] fp32, the same bits every run
+    (partial sums per program, then added in a fixed order)."""
+    if not t.is_contiguous(memory_format=torch.channels_last):
+        t = t.contiguous()
     n, c, h, w = t.shape
-    positions = n * h * w
     rows, block_c = 256, min(triton.next_power_of_2(max(c, 1)), 128)
-    part = torch.empty((triton.cdiv(positions, rows), c), dtype=torch.float32, device=t.device)
+    part = torch.empty((n, triton.cdiv(h * w, rows), c), dtype=torch.float32, device=t.device)
     if part.numel():
-        key = (t.device, t.dtype, positions, c, t.data_ptr() % 16 == 0)
+        # image, position l = h*W + w (a size-1 dim's stride is arbitrary: W = 1 steps along H), channel
+        strides = (t.stride(0), t.stride(3) if w > 1 else t.stride(2), t.stride(1))
+        key = (t.device, t.dtype, n, h * w, c, strides, t.data_ptr() % 16 == 0)
         run = _CHANNEL_SUMS.get(key)
         if run is None:
-            grid = (part.shape[0], triton.cdiv(c, block_c))
-            run = _remember(_CHANNEL_SUMS, key, _Launch(_channel_sum_kernel, grid, (positions, c),
+            grid = (part.shape[1], triton.cdiv(c, block_c), n)
+            run = _remember(_CHANNEL_SUMS, key, _Launch(_channel_sum_kernel, grid, (h * w, c, *strides),
                                                         dict(ROWS=rows, BLOCK_P=32, BLOCK_C=block_c, num_warps=4)))
         run(t, part)
-    return part.sum(0)
+    return part.sum((0, 1))
 
 
 def _nhwc(t: Tensor) -> Tensor:
@@ -1088,7 +1128,7 @@ def deform_conv2d_forward(
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
                     DOT_PRECISION=_dot_precision(input.dtype), PER_IMAGE=per_image, PREFETCH=prefetch_packed(input.dtype),
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, wp, b, out)
         return run
@@ -1151,24 +1191,24 @@ def deform_conv2d_backward(
     grad_off = torch.empty_like(off) if need_off else None
     grad_mask = torch.empty_like(msk) if need_mask else None
 
-    # --- run the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
-    batch = input.shape[0]
-    step = backward_chunk_images(input, grad_out, need_in, fixed_gin)
-    grad_w = grad_b = None
-    for n0 in range(0, max(batch, 1), step):
-        sl = slice(n0, n0 + step)
-        part_w, part_b = _backward_images(
-            grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
-            weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
-            grad_mask[sl] if need_mask else None, need_w, bool(need_b))
+    # --- grad_bias: one channel sum over the whole grad_out, in its own memory format ---
+    grad_b = _channel_sum(grad_out).to(weight.dtype) if need_b else None
+
+    # --- the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
+    grad_w = None
+    if need_in or need_off or need_mask or need_w:
+        batch = input.shape[0]
+        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin)
+        for n0 in range(0, max(batch, 1), step):
+            sl = slice(n0, n0 + step)
+            part_w = _backward_images(
+                grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
+                weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
+                grad_mask[sl] if need_mask else None, need_w)
+            if need_w:
+                grad_w = part_w if grad_w is None else grad_w.add_(part_w)
         if need_w:
-            grad_w = part_w if grad_w is None else grad_w.add_(part_w)
-        if need_b:
-            grad_b = part_b if grad_b is None else grad_b.add_(part_b)
-    if need_w:
-        grad_w = _unpack_weight_grad(grad_w, weight, groups)
-    if need_b:
-        grad_b = grad_b.to(weight.dtype)
+            grad_w = _unpack_weight_grad(grad_w, weight, groups)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 
 
@@ -1176,11 +1216,11 @@ def _backward_images(
     grad_out: Tensor, input: Tensor, off: Tensor, wp: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
     scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
-    grad_mask: Optional[Tensor], need_w: bool, need_b: bool,
-) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    grad_mask: Optional[Tensor], need_w: bool,
+) -> Optional[Tensor]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
-    Cin_g, Cout_g] fp32, and its grad_bias sum, [Cout] fp32 (each None when not needed). Its scratch: the
+    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the
     NHWC copies of input and grad_out, and grad_input's accumulator, freed before grad_weight's partials
     are allocated (so the two never add up)."""
     # --- prepare ---
@@ -1189,7 +1229,7 @@ def _backward_images(
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
     go = _nhwc(grad_out)
-    x = _nhwc(input) if need_in or need_off or need_mask or need_w else input  # not for grad_bias alone
+    x = _nhwc(input)
     msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
@@ -1222,7 +1262,7 @@ def _backward_images(
                              FIXED_GIN=fixed_gin,
                              EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
                              GO_RESIDENT=go_resident(geo, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                             **cfg.launch_options())
             run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image),), args, data_meta)
             run(x, off, msk, wp, go, gin, goff, gmsk, scale)
             return run
@@ -1259,8 +1299,7 @@ def _backward_images(
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
             weight_meta = dict(meta, NSEG=nseg, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"),
                                PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype), BLOCK_M=cfg.block_m,
-                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
-                               num_stages=cfg.num_stages)
+                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
             run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
                           weight_meta)
             run(x, off, msk, go, part)
@@ -1278,6 +1317,5 @@ def _backward_images(
             plan["weight"] = (cfg.split, run)
         grad_w = part.sum(0)
         del part
-    grad_b = _channel_sum(go) if need_b else None
     _remember(_PLANS, key, plan)
-    return grad_w, grad_b
+    return grad_w
