@@ -232,7 +232,7 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 # the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input kernel (small
 # images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment variable
 # DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest).
-# Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +10% fwd+bwd time.
+# Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +5% fwd+bwd time.
 WORKSPACE_BUDGET = 1.5
 MIN_CHUNK_PROGRAMS = 512
 
