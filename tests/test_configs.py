@@ -29,17 +29,19 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
             assert c.maxnreg is None or (dtype != torch.float32 and c.maxnreg >= 128)  # caps measured in half only
 
 
-@pytest.mark.parametrize("shape,dtype,data_cap,weight_cap", [
-    ("det-s3", torch.float16, None, None), ("det-s4", torch.float16, None, 128), ("cls-14", torch.bfloat16, None, 128),
-    ("hires-g8", torch.float16, 128, 168), ("hires-g8", torch.float32, None, None), ("det-s4", torch.float32, None, None),
+@pytest.mark.parametrize("shape,dtype,fwd_cap,data_cap,weight_cap", [
+    ("det-s3", torch.float16, None, None, None), ("det-s4", torch.float16, 128, None, 128),
+    ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, 128, 168),
+    ("hires-g8", torch.float32, None, None, None), ("det-s4", torch.float32, None, None, None),
 ])
-def test_register_caps_where_measured(shape, dtype, data_cap, weight_cap):
-    """The backward's default configs cap registers exactly where the H200 sweep measured a gain (half dtypes;
-    see the comment above DATA_PACKED_MAXNREG): never the forward, never fp32, not the det-s3 backward."""
+def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
+    """The default configs cap registers exactly where the H200 sweeps measured a gain (half dtypes; see the
+    comment above FWD_WIDE_MAXNREG): the wide forward's 64x256 tile, the packed grad_input kernel, the
+    half grad_weight kernels; never fp32, not det-s3, not deterministic mode's grad_input kernel."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
            "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
     seg = deform_ops.segment_length(geo)
-    assert deform_ops._fwd_candidates(geo, seg, dtype)[0].maxnreg is None
+    assert deform_ops._fwd_candidates(geo, seg, dtype)[0].maxnreg == fwd_cap
     assert deform_ops._bwd_data_candidates(geo, seg, dtype)[0].maxnreg == data_cap
     assert deform_ops._bwd_data_candidates(geo, seg, dtype, fixed=True)[0].maxnreg is None
     assert deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))[0].maxnreg == weight_cap

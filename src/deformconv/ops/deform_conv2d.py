@@ -133,6 +133,20 @@ def _unique(cands: List[Config]) -> List[Config]:
     return list(dict.fromkeys(cands))
 
 
+# Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
+# the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md): the
+# wide forward's 64x256 tile (see _fwd_candidates);
+# grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
+# 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
+# segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: the other forwards (det-s3 0.296 ->
+# 0.360 at 168; the 128x256 tile cannot compile under 158) and the chunked grad_input kernel (det-s3 1.31 -> 1.81).
+# fp32 keeps no cap (not measured).
+FWD_WIDE_MAXNREG = 128
+DATA_PACKED_MAXNREG = 128
+WEIGHT_PACKED_MAXNREG = 168
+WEIGHT_WIDE_MAXNREG = 128
+
+
 # Candidates per kernel, the heuristic default first (chosen from H200 measurements, see
 # benchmarks/README.md). The default is used as is; with DEFORMCONV_AUTOTUNE=1 the first call at a new
 # shape class times the (at most 4) candidates instead and keeps the fastest: a few seconds, never a sweep.
@@ -142,25 +156,20 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    if cout_g >= 256 and dtype != torch.float32:  # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%
+    if cout_g >= 256 and dtype != torch.float32:
+        # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
+        # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
+        # uncapped they are slower (0.240 at det-s4), 2 or 4 stages too (0.190 / 0.247)
+        # (measured without packed segments only)
         cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
+        if not _short_segments(geo, seg, "fwd"):
+            cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
     elif cout_g >= 256:  # fp32 (2 stages: 3 do not fit in shared memory): det-s4 0.738 -> 0.673 ms, -7 to -10%
         cands = [Config(128, 256, bk, 8), Config(128, bn, bk, 4)]
     else:
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
     return _unique(cands)[:4]
-
-
-# Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
-# the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md):
-# grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
-# 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
-# segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: every forward (det-s3 0.296 ->
-# 0.360 at 168) and the chunked grad_input kernel (det-s3 1.31 -> 1.81). fp32 keeps no cap (not measured).
-DATA_PACKED_MAXNREG = 128
-WEIGHT_PACKED_MAXNREG = 168
-WEIGHT_WIDE_MAXNREG = 128
 
 
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed: bool = False) -> List[Config]:
