@@ -4,7 +4,7 @@
         --dtypes float16 float32 --configs default 64,128,64,4 128,128,32,4
     PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel fwd --shapes hires-g8 \\
         --dtypes bfloat16 --tilings auto flat image --prefetch on off
-    PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_data --shapes det-s3 \
+    PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_data --shapes det-s3 \\
         --maxnreg none 168 128
 
 A variant replaces the kernel's candidate list with one config ("default": the heuristic's first choice;

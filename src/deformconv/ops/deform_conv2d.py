@@ -22,9 +22,9 @@ torch.library glue is in deformconv/library.py, the dispatch in deformconv/backe
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
-import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -1229,9 +1229,8 @@ def _backward_images(
 ) -> Optional[Tensor]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
-    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the
-    NHWC copies of input and grad_out, and grad_input's accumulator, freed before grad_weight's partials
-    are allocated (so the two never add up)."""
+    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the NHWC copies of input and grad_out, and
+    grad_input's accumulator, freed before grad_weight's partials are allocated (so the two never add up)."""
     # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
