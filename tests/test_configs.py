@@ -18,7 +18,7 @@ def _geo(cin=256, cout=256, groups=1, og=1, n=8, h=50, w=76):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_candidate_lists_are_small_and_valid(geo, dtype):
     seg = deform_ops.segment_length(geo)
-    lists = [deform_ops._fwd_candidates(geo, seg, dtype), deform_ops._bwd_data_candidates(geo, seg, dtype),
+    lists = [deform_ops._fwd_candidates(geo, seg, dtype), deform_ops._bwd_data_candidates(geo, seg, dtype, torch.device("cpu")),
              deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))]
     for cands in lists:
         assert 1 <= len(cands) <= 4 and len(set(cands)) == len(cands)
@@ -42,9 +42,39 @@ def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_ca
            "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
     seg = deform_ops.segment_length(geo)
     assert deform_ops._fwd_candidates(geo, seg, dtype)[0].maxnreg == fwd_cap
-    assert deform_ops._bwd_data_candidates(geo, seg, dtype)[0].maxnreg == data_cap
-    assert deform_ops._bwd_data_candidates(geo, seg, dtype, fixed=True)[0].maxnreg is None
+    cpu = torch.device("cpu")
+    assert deform_ops._bwd_data_candidates(geo, seg, dtype, cpu)[0].maxnreg == data_cap
+    assert deform_ops._bwd_data_candidates(geo, seg, dtype, cpu, fixed=True)[0].maxnreg is None
     assert deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))[0].maxnreg == weight_cap
+
+
+@pytest.mark.parametrize("shape,dtype,block_n", [
+    ("det-s4", torch.float16, 256), ("det-s5", torch.float16, 256), ("cls-14", torch.bfloat16, 256),
+    ("det-s5", torch.float32, 128), ("det-s3", torch.float16, 128),
+])
+def test_grad_weight_tile_of_wide_layers(shape, dtype, block_n):
+    """grad_weight takes one 256-column tile for Cout >= 256 in half precision whatever the number of
+    positions (det-s5 and cls-14 measured faster than with 128 columns); fp32 with few positions keeps 128."""
+    geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38),
+           "cls-14": _geo(n=64, h=14, w=14)}[shape]
+    first = deform_ops._bwd_weight_candidates(geo, deform_ops.segment_length(geo), dtype, torch.device("cpu"))[0]
+    assert first.block_n == block_n
+
+
+@pytest.mark.parametrize("shape,sms,split", [("det-s5", 132, 3), ("det-s4", 132, 1), ("cls-14", 132, 1),
+                                             ("det-s4", 1000, 3), ("1x1", 132, 1)])
+def test_grad_input_kernel_splits_taps_when_tiles_are_fewer_than_multiprocessors(shape, sms, split, monkeypatch):
+    """The grad_input kernel's tap split (Config.split): 3 programs per M tile when the M tiles (64 rows) are
+    fewer than the multiprocessors, at most one per tap; never on the CPU (the interpreter)."""
+    monkeypatch.setattr(deform_ops, "_sm_count", lambda device: sms)
+    geo = {"det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38), "cls-14": _geo(n=64, h=14, w=14),
+           "1x1": ConvGeometry(batch=1, in_channels=8, height=5, width=5, out_channels=8, kernel_h=1, kernel_w=1, groups=1,
+                               offset_groups=1, stride=(1, 1), padding=(0, 0), dilation=(1, 1), out_h=5, out_w=5)}[shape]
+    seg = deform_ops.segment_length(geo)
+    for fixed in (False, True):
+        cands = deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cuda"), fixed)
+        assert {c.split for c in cands} == {split}
+        assert {c.split for c in deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cpu"), fixed)} == {1}
 
 
 def test_config_launch_options():

@@ -287,6 +287,25 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("split", [2, 4, 7], ids=["taps-split-2", "taps-split-4", "taps-split-7-some-empty"])
+@pytest.mark.parametrize("config", ["3x3-pad1", "nonsquare-og4", "og4-packed-segments", "groups2-og4-packed-tail"])
+def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, config, monkeypatch):
+    """The grad_input/offset/mask kernel with each M tile's taps split over `split` programs (Config.split)
+    gives the oracle's gradients, also where some programs get no tap (nonsquare-og4 has 6)."""
+    import dataclasses
+
+    from deformconv.ops import deform_conv2d as kernels
+
+    real = kernels._bwd_data_candidates
+    monkeypatch.setattr(kernels, "_bwd_data_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_data"] == [split]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
 def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):
     """Under torch.use_deterministic_algorithms(True) grad_input goes through the kernel's int64 fixed-point

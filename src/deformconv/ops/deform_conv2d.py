@@ -45,7 +45,7 @@ class Config:
     block_k: int
     num_warps: int
     num_stages: int = 2
-    split: int = 1  # grad_weight only: how many programs share the M reduction
+    split: int = 1  # programs sharing one output tile: grad_weight's M reduction; the grad_input kernel's taps
     maxnreg: Optional[int] = None  # registers per thread at most (ptxas spills the rest); None: no limit
 
     def launch_options(self) -> dict:
@@ -172,7 +172,17 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     return _unique(cands)[:4]
 
 
-def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed: bool = False) -> List[Config]:
+def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device) -> int:
+    """The grad_input kernel's programs per M tile (each takes a run of taps): 3 when the M tiles are fewer
+    than the GPU's multiprocessors, else 1. Measured on the H200 (fp16, benchmarks/NOTES.md): det-s5's 120
+    tiles 0.510 -> 0.485 ms (split 2: 0.488); no gain with 256 or more tiles (cls-14 -2%, det-s4 +1 to +8%)."""
+    if device.type != "cuda":
+        return 1
+    return min(3, geo.taps) if triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m) < _sm_count(device) else 1
+
+
+def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device,
+                         fixed: bool = False) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
@@ -183,7 +193,7 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, fixed:
              Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
         cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # no spills at the 5 bench shapes
-    return _unique(cands)
+    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
@@ -200,11 +210,12 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
         # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6)
         shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1,
                           WEIGHT_PACKED_MAXNREG if half else None))
-    elif cout_g >= 256 and m >= 16384:  # wide, many positions: one 256-column tile
+    elif cout_g >= 256 and (half or m >= 16384):
+        # wide: one 256-column tile (the A tile sampled once per 256 output channels), in half precision
+        # capped at 128 registers: det-s4 0.341 -> 0.260 ms; det-s5 0.403 -> 0.286 and cls-14 0.205 -> 0.174
+        # against their former 128x128 tile (fp16, benchmarks/NOTES.md). fp32 with few positions keeps 64x128
+        # first (not measured there; its 128x128 spills: cls-14 3.2 ms vs 0.50)
         shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG if half else None,))
-    elif cout_g >= 256 and half:
-        # wide, few positions: 128x128 (fp32 keeps 64x128 first: 128x128 spills there, cls-14 3.2 ms vs 0.50)
-        shapes.insert(0, shapes.pop(2)[:5] + (WEIGHT_WIDE_MAXNREG,))
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
@@ -693,14 +704,21 @@ def _deform_conv2d_bwd_data_kernel(
     EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     GO_RESIDENT: tl.constexpr,    # one conv group and Cout <= BLOCK_N: the grad_out tile is loaded once
+    TAP_SPLIT: tl.constexpr,      # programs per M tile, each taking a run of taps (more programs for few positions)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Per M tile: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it to the 4
-    corners of grad_input (atomics) and reduce it over channels into grad_offset and grad_mask (each
-    (position, tap, offset group) is owned by one program: plain stores). Grid: (M tiles,)."""
-    # --- which tile ---
+    """Per M tile and run of taps: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it
+    to the 4 corners of grad_input (atomics) and reduce it over channels into grad_offset and grad_mask (each
+    (position, tap, offset group) is owned by one program: plain stores). Grid: (M tiles, TAP_SPLIT)."""
+    # --- which tile, which taps ---
     pid_m = tl.program_id(0)
     KK: tl.constexpr = KH * KW
+    if TAP_SPLIT == 1:
+        tap_lo = 0
+        tap_hi = KK
+    else:
+        tap_lo = tl.program_id(1) * KK // TAP_SPLIT
+        tap_hi = (tl.program_id(1) + 1) * KK // TAP_SPLIT
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
         pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
     L = HO * WO
@@ -720,7 +738,7 @@ def _deform_conv2d_bwd_data_kernel(
     if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
         offs_s = tl.arange(0, NSEG)
         offs_t = tl.arange(0, SEG)
-        for tap in range(KK):
+        for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for gc in range(CIN // CIN_G):
                 for c0 in range(0, CIN_G, BLOCK_K):
@@ -762,7 +780,7 @@ def _deform_conv2d_bwd_data_kernel(
                         _scatter_add(ptrs + row, g3 * (bot * (1.0 - lx))[:, :, None], v10[:, :, None], scale, FIXED_GIN)
                         _scatter_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], v11[:, :, None], scale, FIXED_GIN)
     else:  # --- taps x offset groups x segments x channel chunks ---
-        for tap in range(KK):
+        for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for og in range(G):
                 ch = og * KK + tap
@@ -1269,17 +1287,18 @@ def _backward_images(
             data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
                              FIXED_GIN=fixed_gin,
                              EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
-                             GO_RESIDENT=go_resident(geo, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                             **cfg.launch_options())
-            run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image),), args, data_meta)
+                             GO_RESIDENT=go_resident(geo, cfg.block_n), TAP_SPLIT=cfg.split, BLOCK_M=cfg.block_m,
+                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+            run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image), cfg.split), args,
+                          data_meta)
             run(x, off, msk, wp, go, gin, goff, gmsk, scale)
             return run
 
         if "data" not in plan:
             shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (
                 need_in, fixed_gin, need_off, need_mask)
-            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype, fixed_gin), launch_data,
-                               input.device)
+            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin),
+                               launch_data, input.device)
             if need_in:
                 gin.zero_()  # after any tuning runs, which accumulate into it too
             plan["data"] = launch_data(cfg)
