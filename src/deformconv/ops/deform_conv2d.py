@@ -56,6 +56,11 @@ class Config:
         return options
 
 
+def _ceil_div(a: int, b: int) -> int:
+    """triton.cdiv in plain Python, for code that runs at every call (Triton 3.8's costs microseconds a call)."""
+    return -(-a // b)
+
+
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
 
@@ -292,7 +297,7 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     if batch <= 1 or per_image == 0:
         return max(batch, 1)
     images = math.floor(min(workspace_budget() * batch * cin * h * w * elem / per_image, batch))
-    images = max(images, triton.cdiv(MIN_CHUNK_PROGRAMS, triton.cdiv(ho * wo, 64)))
+    images = max(images, _ceil_div(MIN_CHUNK_PROGRAMS, _ceil_div(ho * wo, 64)))
     return max(1, min(batch, images))
 
 
@@ -985,15 +990,15 @@ def _channel_sum(t: Tensor) -> Tensor:
     if not t.is_contiguous(memory_format=torch.channels_last):
         t = t.contiguous()
     n, c, h, w = t.shape
-    rows, block_c = 256, min(triton.next_power_of_2(max(c, 1)), 128)
-    part = torch.empty((n, triton.cdiv(h * w, rows), c), dtype=torch.float32, device=t.device)
+    rows, block_c = 256, min(1 << (max(c, 1) - 1).bit_length(), 128)  # the next power of two, at most 128
+    part = torch.empty((n, _ceil_div(h * w, rows), c), dtype=torch.float32, device=t.device)
     if part.numel():
         # image, position l = h*W + w (a size-1 dim's stride is arbitrary: W = 1 steps along H), channel
         strides = (t.stride(0), t.stride(3) if w > 1 else t.stride(2), t.stride(1))
         key = (t.device, t.dtype, n, h * w, c, strides, t.data_ptr() % 16 == 0)
         run = _CHANNEL_SUMS.get(key)
         if run is None:
-            grid = (part.shape[1], triton.cdiv(c, block_c), n)
+            grid = (part.shape[1], _ceil_div(c, block_c), n)
             run = _remember(_CHANNEL_SUMS, key, _Launch(_channel_sum_kernel, grid, (h * w, c, *strides),
                                                         dict(ROWS=rows, BLOCK_P=32, BLOCK_C=block_c, num_warps=4)))
         run(t, part)
