@@ -874,8 +874,6 @@ def _deform_conv2d_bwd_weight_kernel(
     r = r // n_seg
     tap = r % KK
     gc = r // KK
-    i = tap // KW  # the tap's row and column, fixed for the whole M loop
-    j = tap - i * KW
     c_lo = gc * CIN_G + s * SEG
     ch = (c_lo // COG) * KK + tap
     offs_k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -893,8 +891,7 @@ def _deform_conv2d_bwd_weight_kernel(
     for mb in range(pid_s, m_tiles, SPLIT):
         m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = _position_setup(
             mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
-        y_ref = y_out + (i * DIL_H).to(tl.float32)
-        x_ref = x_out + (j * DIL_W).to(tl.float32)
+        y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
         if NSEG > 1:
             offs_s = tl.arange(0, NSEG)
             offs_t = tl.arange(0, SEG)
