@@ -145,9 +145,12 @@ def _unique(cands: List[Config]) -> List[Config]:
 # 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
 # segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: the other forwards (det-s3 0.296 ->
 # 0.360 at 168; the 128x256 tile cannot compile under 158) and the chunked grad_input kernel (det-s3 1.31 -> 1.81).
-# fp32 keeps no cap (not measured).
+# fp32 (v9): the packed grad_input kernel 1.727 -> 1.621 at 168 (1.647 at 128), packed grad_weight 1.459 -> 1.339
+# at 168 (1.883 at 128), the wide grad_weight tile at few positions (see _bwd_weight_candidates); its forwards
+# stay uncapped (the 128x256 tile cannot compile under the cap; 64x256 is slower).
 FWD_WIDE_MAXNREG = 128
 DATA_PACKED_MAXNREG = 128
+DATA_PACKED_FP32_MAXNREG = 168
 WEIGHT_PACKED_MAXNREG = 168
 WEIGHT_WIDE_MAXNREG = 128
 
@@ -192,8 +195,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
-    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and dtype != torch.float32 and not fixed:
-        first = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG)
+    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and not fixed:
+        first = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG)
     cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
              Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
@@ -212,15 +215,15 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
               (128, _pow2_clamp(cout_g, 16, 128), bk, 8, 2, None)]
     if _short_segments(geo, seg, "bwd_weight"):
         # packed segments: a 64-wide chunk, unpipelined (plain L1-cached loads instead of cp.async); hires-g8
-        # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6)
+        # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6); then capped
         shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1,
-                          WEIGHT_PACKED_MAXNREG if half else None))
-    elif cout_g >= 256 and (half or m >= 16384):
-        # wide: one 256-column tile (the A tile sampled once per 256 output channels), in half precision
-        # capped at 128 registers: det-s4 0.341 -> 0.260 ms; det-s5 0.403 -> 0.286 and cls-14 0.205 -> 0.174
-        # against their former 128x128 tile (fp16, benchmarks/NOTES.md). fp32 with few positions keeps 64x128
-        # first (not measured there; its 128x128 spills: cls-14 3.2 ms vs 0.50)
-        shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG if half else None,))
+                          WEIGHT_PACKED_MAXNREG))
+    elif cout_g >= 256:
+        # wide: one 256-column tile (the A tile sampled once per 256 output channels), capped at 128 registers:
+        # fp16 det-s4 0.341 -> 0.260 ms; det-s5 0.403 -> 0.286 and cls-14 0.205 -> 0.174 against their former
+        # 128x128 tile; fp32 det-s5 0.780 -> 0.618, cls-14 0.497 -> 0.330 against 64x128 (benchmarks/NOTES.md).
+        # fp32 with many positions (det-s4) runs it uncapped: the cap not measured there
+        shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG if half or m < 16384 else None,))
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
