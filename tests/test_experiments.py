@@ -97,3 +97,12 @@ def test_backward_chunks_rejects_a_malformed_variant():
     chunks = _load("backward_chunks")
     with pytest.raises(ValueError, match="--variants: expected 'default', 'whole' or budget,min_programs"):
         chunks.main(["--shape", "1,4,4,5,5,3,1", "--variants", "1.5"])
+
+
+def test_host_cost_times_a_step(capsys):
+    """The host-cost script runs a few eager fwd+bwd steps and reports their CPU and wall time."""
+    host = _load("host_cost")
+    records = host.main(["--shape", "1,8,8,5,6,3,1", "--dtypes", "float32", "--steps", "2", "--profile"])
+    assert len(records) == 1 and records[0]["cpu_ms"] > 0 and records[0]["wall_ms"] >= records[0]["cpu_ms"]
+    out = capsys.readouterr().out
+    assert "| shape | dtype | CPU ms a step |" in out and "tottime" in out
