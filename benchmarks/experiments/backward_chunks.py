@@ -30,6 +30,7 @@ import torch
 import deformconv
 import deformconv.ops.deform_conv2d as K
 from common import add_shape_args, finish, layer_inputs, markdown, max_rel_err, shapes_from_args
+from deformconv.benchmark import step_memory_mib
 
 
 def _variant(text: str):
@@ -80,16 +81,10 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
                 for t in leaves:
                     t.grad = None
                 if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                    base = torch.cuda.memory_allocated()
-                step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    extra = torch.cuda.max_memory_allocated() - base
-                    # what any implementation holds at the end of the step: the output (grad_out's size) and the gradients
-                    returned = sum(t.grad.numel() * t.grad.element_size() for t in leaves) + grad_out.numel() * grad_out.element_size()
-                    rec.update(extra_peak_mib=extra / 2**20, workspace_x_input=(extra - returned) / input_bytes)
+                    extra, workspace = step_memory_mib(step, grad_out, leaves)
+                    rec.update(extra_peak_mib=extra, workspace_x_input=workspace * 2**20 / input_bytes)
+                else:
+                    step()
                 grads = [t.grad.clone() for t in leaves]
                 if reference is None:
                     reference = grads

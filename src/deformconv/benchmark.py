@@ -83,6 +83,17 @@ def _extra_peak_mib(fn: Callable[[], object]) -> float:
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+def step_memory_mib(step: Callable[[], object], grad_out: torch.Tensor, leaves: Sequence[torch.Tensor]
+                    ) -> Tuple[float, float]:
+    """(extra peak, workspace) in MiB of one forward+backward ``step`` on CUDA: the peak allocated above what
+    was allocated before it, and that peak less what every implementation returns and holds at the step's
+    end, the output (grad_out's size) and the gradients of ``leaves``: the scratch (column buffers, copies,
+    accumulators)."""
+    extra = _extra_peak_mib(step)
+    returned = sum(t.numel() * t.element_size() for t in [grad_out] + [a.grad for a in leaves]) / 2**20
+    return extra, extra - returned
+
+
 def _impls(backends: Iterable[str]) -> Dict[str, Tuple[str, Optional[str]]]:
     """label -> (impl, backend)."""
     out = {f"deformconv[{b}]": ("deformconv", b) for b in backends}
@@ -177,12 +188,9 @@ def _measure(rec: dict, fn, shape: Shape, dtype: torch.dtype, device: torch.devi
     if p == "fwd+bwd" and device.type == "cuda":
         for a in args:
             a.grad = None
-        extra = _extra_peak_mib(step)
-        # What every implementation returns and holds at the step's end: the output (grad_out's size) and the
-        # gradients. The rest of the extra peak is scratch ("workspace": column buffers, copies, accumulators).
-        returned = sum(t.numel() * t.element_size() for t in [grad_out] + [a.grad for a in grads]) / 2**20
+        extra, workspace = step_memory_mib(step, grad_out, grads)
         rec["extra_peak_mib"] = round(extra, 1)
-        rec["workspace_mib"] = round(extra - returned, 1)
+        rec["workspace_mib"] = round(workspace, 1)
         rec["input_mib"] = round(args[0].numel() * args[0].element_size() / 2**20, 1)
     rec["median_ms"] = time_ms(step, device, grads)
     if device.type == "cuda" and rec["impl"] != "torchvision":

@@ -62,7 +62,8 @@ def _ceil_div(a: int, b: int) -> int:
 
 
 def _pow2_clamp(x: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(max(1, x))))
+    """The power of two at or above x, clamped to [lo, hi] (plain Python: _channel_sum calls it every call)."""
+    return max(lo, min(hi, 1 << (max(1, x) - 1).bit_length()))
 
 
 def segment_length(geo: ConvGeometry) -> int:
@@ -990,7 +991,7 @@ def _channel_sum(t: Tensor) -> Tensor:
     if not t.is_contiguous(memory_format=torch.channels_last):
         t = t.contiguous()
     n, c, h, w = t.shape
-    rows, block_c = 256, min(1 << (max(c, 1) - 1).bit_length(), 128)  # the next power of two, at most 128
+    rows, block_c = 256, _pow2_clamp(c, 1, 128)
     part = torch.empty((n, _ceil_div(h * w, rows), c), dtype=torch.float32, device=t.device)
     if part.numel():
         # image, position l = h*W + w (a size-1 dim's stride is arbitrary: W = 1 steps along H), channel
