@@ -179,3 +179,21 @@ def test_fast_launch_can_be_turned_off(monkeypatch):
     run("a", "b")
     run("c", "d")
     assert [e[0] for e in fn.log] == ["jit", "jit"]
+
+
+@pytest.mark.parametrize("geo,grouped", [
+    (_geo(64, 64, og=8, n=16, h=128, w=128), True),   # hires-g8: 8-channel offset groups, packed
+    (_geo(16, 8, og=4), True),                          # 4-channel groups
+    (_geo(48, 40, groups=2, og=12), True),              # conv groups of whole offset groups (segments = groups)
+    (_geo(24, 16, groups=2, og=3), False),              # segments of 4 inside 8-channel offset groups
+    (_geo(256, 256, og=1), False),                      # long segments: NHWC
+    (_geo(64, 64, og=4), False),                        # 16-channel groups: not packed
+], ids=["hires-g8", "og4", "groups2-og12", "segments-in-groups", "det-s4", "og4-c64"])
+def test_offset_grouped_layout_where_segments_are_whole_packed_groups(geo, grouped):
+    """The kernels read the input offset-grouped exactly where segments are packed and each one a whole offset
+    group (then all three kernels take packed segments); NHWC otherwise."""
+    seg = deform_ops.segment_length(geo)
+    assert deform_ops.grouped_input(geo, seg, torch.device("cpu")) == grouped
+    if grouped:
+        for kind in ("fwd", "bwd_data", "bwd_weight"):
+            assert deform_ops.segments_per_chunk(geo, seg, 32, kind) > 1

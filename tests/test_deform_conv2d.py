@@ -287,6 +287,38 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+@pytest.mark.parametrize("config", ["og4-packed-segments", "groups2-og4-packed-tail"])
+def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config, monkeypatch):
+    """Where segments are whole packed offset groups the kernels read the input (and accumulate grad_input)
+    offset-grouped, [N, G, H, W, C/G]; forced to NHWC they compute the same numbers in the same order, so
+    the output and every gradient agree bit for bit, and the grouped run matches the oracle."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
+    if layout == "channels_last":
+        args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
+    leaves = _with_grad(args, kwargs, dtype)
+    if layout == "channels_last":
+        leaves[0] = leaves[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    run = lambda: _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)  # noqa: E731
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    out, grads = run()
+    assert any(plan.get("grouped") for plan in kernels._PLANS.values())
+    monkeypatch.setattr(kernels, "grouped_input", lambda *a: False)
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    out_nhwc, grads_nhwc = run()
+    assert not any(plan.get("grouped") for plan in kernels._PLANS.values())
+    torch.testing.assert_close(out, out_nhwc, atol=0, rtol=0)
+    for name, g, g_nhwc in zip(GRAD_NAMES, grads, grads_nhwc):
+        torch.testing.assert_close(g, g_nhwc, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
+    if layout == "channels_last":
+        assert out.is_contiguous(memory_format=torch.channels_last)
+        assert grads[0].is_contiguous(memory_format=torch.channels_last)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("split", [2, 4, 7], ids=["taps-split-2", "taps-split-4", "taps-split-7-some-empty"])
 @pytest.mark.parametrize("config", ["3x3-pad1", "nonsquare-og4", "og4-packed-segments", "groups2-og4-packed-tail"])
 def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, config, monkeypatch):
@@ -370,7 +402,9 @@ def test_deterministic_mode_with_an_empty_batch(backend, dtype):
 CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det else 'atomics'}")
                for c, lay, det in [("3x3-pad1", "nchw", False), ("3x3-pad1", "channels_last", False),
                                    ("3x3-pad1", "nchw", True), ("3x3-pad1", "channels_last", True),
-                                   ("og4-packed-segments", "nchw", False)]]
+                                   ("og4-packed-segments", "nchw", False),
+                                   ("og4-packed-segments", "channels_last", False),
+                                   ("og4-packed-segments", "channels_last", True)]]
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)

@@ -30,20 +30,20 @@ def _load(name):
 
 @pytest.mark.parametrize("kernel", ["fwd", "bwd_data", "bwd_weight"])
 def test_sweep_configs_checks_every_variant(kernel, capsys, monkeypatch):
-    """Two configs x two tilings on a tiny packed-segment shape: every variant runs and agrees with the
-    first (fp32), and the kernels' heuristics are restored afterwards."""
+    """Two configs x two tilings x two input layouts on a tiny packed-segment shape: every variant runs and
+    agrees with the first (fp32), and the kernels' heuristics are restored afterwards."""
     from deformconv.ops import deform_conv2d as kernels
 
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)  # on a GPU: full fp32, so 1e-4 holds
-    before = (kernels.per_image_tiles, kernels.prefetch_packed, kernels._bwd_weight_candidates)
+    before = (kernels.per_image_tiles, kernels.grouped_input, kernels._bwd_weight_candidates)
     sweep = _load("sweep_configs")
     records = sweep.main(["--kernel", kernel, "--shape", "2,16,8,5,6,3,4", "--dtypes", "float32",
-                          "--configs", "default", "16,16,16,4", "--tilings", "flat", "image", "--prefetch", "on"])
-    assert len(records) == 4
+                          "--configs", "default", "16,16,16,4", "--tilings", "flat", "image", "--layouts", "auto", "nhwc"])
+    assert len(records) == 8
     for rec in records:
         assert "error" not in rec, rec
         assert rec["max_rel_err"] < 1e-4, rec
-    assert (kernels.per_image_tiles, kernels.prefetch_packed, kernels._bwd_weight_candidates) == before
+    assert (kernels.per_image_tiles, kernels.grouped_input, kernels._bwd_weight_candidates) == before
     assert "| kernel | shape |" in capsys.readouterr().out
 
 

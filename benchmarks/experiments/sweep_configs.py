@@ -1,16 +1,17 @@
-"""Time variants of one Triton kernel side by side: configs, tiling of positions, the packed forward's prefetch.
+"""Time variants of one Triton kernel side by side: configs, tiling of positions, the input's layout.
 
     PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_weight --shapes det-s3 hires-g8 \\
         --dtypes float16 float32 --configs default 64,128,64,4 128,128,32,4
     PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel fwd --shapes hires-g8 \\
-        --dtypes bfloat16 --tilings auto flat image --prefetch on off
+        --dtypes bfloat16 --tilings auto flat image --layouts auto nhwc
     PYTHONPATH=src python benchmarks/experiments/sweep_configs.py --kernel bwd_data --shapes det-s3 \\
         --maxnreg none 168 128
 
 A variant replaces the kernel's candidate list with one config ("default": the heuristic's first choice;
 else "block_m,block_n,block_k,num_warps[,num_stages[,split]]", grad_weight's split derived as the product
-does when omitted) and forces the tiling of output positions and the prefetch choice; launch plans are
-cleared between variants. ``--maxnreg`` caps the registers per thread of every variant (``auto``: the
+does when omitted) and forces the tiling of output positions and the layout the kernels read the input in
+(``nhwc``, or ``auto``: offset-grouped where the heuristic ``grouped_input`` takes it); launch plans are cleared
+between variants. ``--maxnreg`` caps the registers per thread of every variant (``auto``: the
 heuristic's cap, ``none``: no cap; ptxas spills the rest; fewer registers let more programs share a
 multiprocessor). It runs through the product's host path: the forward, or the backward asked for
 that kernel's gradients only (bwd_data: input, offset, mask; bwd_weight: weight), so the times include the
@@ -58,8 +59,8 @@ def parse_config(text: str, kind: str, geo, seg: int, device) -> Optional[K.Conf
 
 
 def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tilings: List[str],
-          prefetch: List[str], device: torch.device, log=print, maxnregs: Sequence = ("auto",)) -> List[dict]:
-    original = {name: getattr(K, name) for name in (KINDS[kind], "per_image_tiles", "prefetch_packed")}
+          layouts: List[str], device: torch.device, log=print, maxnregs: Sequence = ("auto",)) -> List[dict]:
+    original = {name: getattr(K, name) for name in (KINDS[kind], "per_image_tiles", "grouped_input")}
     records = []
     try:
         for (shape_name, shape), dtype_name in itertools.product(shapes.items(), dtypes):
@@ -76,7 +77,7 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
                 return tuple(g for g in K.deform_conv2d_backward(go, x, off, w, m, *geom, NEEDS[kind]) if g is not None)
 
             ref = None
-            for cfg_text, tiling, pf, maxnreg in itertools.product(configs, tilings, prefetch, maxnregs):
+            for cfg_text, tiling, layout, maxnreg in itertools.product(configs, tilings, layouts, maxnregs):
                 cfg = parse_config(cfg_text, kind, geo, seg, device)
                 if cfg is None and maxnreg == "auto":  # the heuristic's choice as is
                     setattr(K, KINDS[kind], original[KINDS[kind]])
@@ -88,11 +89,10 @@ def sweep(kind: str, shapes: dict, dtypes: List[str], configs: List[str], tiling
                     setattr(K, KINDS[kind], lambda *a, _c=dataclasses.replace(cfg, maxnreg=cap): [_c])
                 K.per_image_tiles = {"auto": original["per_image_tiles"], "flat": lambda *a: False,
                                      "image": lambda *a: True}[tiling]
-                K.prefetch_packed = {"auto": original["prefetch_packed"], "on": lambda *a: True,
-                                     "off": lambda *a: False}[pf]
+                K.grouped_input = {"auto": original["grouped_input"], "nhwc": lambda *a: False}[layout]
                 K._PLANS.clear()
                 K._TUNED.clear()
-                rec = dict(kernel=kind, shape=shape_name, dtype=dtype_name, config=cfg_text, tiling=tiling, prefetch=pf,
+                rec = dict(kernel=kind, shape=shape_name, dtype=dtype_name, config=cfg_text, tiling=tiling, layout=layout,
                            maxnreg=maxnreg)
                 try:
                     outs = run()
@@ -121,9 +121,9 @@ def table(records: List[dict]) -> str:
     for r in records:
         ms = f"{r['graph_ms']:.3f}" if "graph_ms" in r else "-"
         err = f"{r['max_rel_err']:.1e}" if "max_rel_err" in r else r.get("error", "-")
-        rows.append([r["kernel"], r["shape"], r["dtype"], r["config"], r["tiling"], r["prefetch"],
+        rows.append([r["kernel"], r["shape"], r["dtype"], r["config"], r["tiling"], r["layout"],
                      str(r.get("maxnreg") or "none"), ms, err, r.get("used", "-")])
-    return markdown(["kernel", "shape", "dtype", "config", "tiling", "prefetch", "maxnreg", "graph ms", "max rel err",
+    return markdown(["kernel", "shape", "dtype", "config", "tiling", "layout", "maxnreg", "graph ms", "max rel err",
                      "config used"], rows)
 
 
@@ -133,13 +133,14 @@ def main(argv=None) -> List[dict]:
     add_shape_args(ap)
     ap.add_argument("--configs", nargs="+", default=["default"])
     ap.add_argument("--tilings", nargs="+", default=["auto"], choices=["auto", "flat", "image"])
-    ap.add_argument("--prefetch", nargs="+", default=["auto"], choices=["auto", "on", "off"])
+    ap.add_argument("--layouts", nargs="+", default=["auto"], choices=["auto", "nhwc"],
+                    help="auto: the heuristic's (offset-grouped where segments are whole offset groups), nhwc: always NHWC")
     ap.add_argument("--maxnreg", nargs="+", default=["auto"],
                     help="register caps per thread: 'auto' (the heuristic's), 'none' or integers")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     maxnregs = [v if v == "auto" else None if v == "none" else int(v) for v in args.maxnreg]
-    records = sweep(args.kernel, shapes_from_args(args), args.dtypes, args.configs, args.tilings, args.prefetch,
+    records = sweep(args.kernel, shapes_from_args(args), args.dtypes, args.configs, args.tilings, args.layouts,
                     device, maxnregs=maxnregs)
     return finish(records, args.out, table(records))
 

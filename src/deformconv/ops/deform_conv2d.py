@@ -7,12 +7,14 @@ position's sample point, bilinear corners and weights (x mask) are computed once
 fp32 and reused for every channel chunk; the sampled A tile goes straight from registers into tl.dot, so
 no (Cin*kh*kw) x (N*Ho*Wo) column buffer ever exists. Segments shorter than a tensor-core K step (a power
 of two below 16, e.g. 8 channels per offset group) are packed NSEG to a chunk instead: one sample point per
-(position, segment), corners loaded as [BM, NSEG, SEG] tiles and reshaped to [BM, BLOCK_K] for the dot.
+(position, segment), corners loaded as pairs [BM, NSEG, 2, SEG] ((x0, x0+1) of a row) and blended into
+[BM, NSEG, SEG], reshaped to [BM, BLOCK_K] for the dot.
 
 Layouts: the input is read channels-last (NHWC), so each bilinear corner is a contiguous run of channels;
-offset and mask are read NCHW (consecutive positions are consecutive addresses); the weight is repacked
-once per call to [groups, kh*kw, Cin/groups, Cout/groups] (tap-major B rows). Offsets into the input and
-gradient buffers are int64.
+where packed segments are whole offset groups, offset-grouped instead ([N, G, H, W, Cin/G], see
+grouped_input), so that a corner pair is one run. Offset and mask are read NCHW (consecutive positions are
+consecutive addresses); the weight is repacked once per call to [groups, kh*kw, Cin/groups, Cout/groups]
+(tap-major B rows). Offsets into the input and gradient buffers are int64.
 
 The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
 
@@ -106,22 +108,25 @@ def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
 def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype: torch.dtype) -> bool:
     """Whether M tiles stay inside one image (see _position_setup): no per-position division by Ho*Wo, at
     the cost of a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
-    the H200 (benchmarks/NOTES.md, v5/v6): the backward kernels gain 2-10% at every benchmark shape; the forward
-    gains with packed segments (fp16 10%, fp32 4%) and with small images (Ho*Wo <= 2 tiles: 6%), and loses 10%
-    at det-s3 and, unexplained, 11% with bf16's packed segments (hires-g8)."""
+    the H200 (benchmarks/NOTES.md, v5/v6/v10): the backward kernels gain 2-10% at every benchmark shape; the forward
+    gains with packed segments (hires-g8 fp16 0.455 -> 0.425 ms, fp32 -2%, bf16 -2%) and with small images
+    (Ho*Wo <= 2 tiles: 6%), and loses 10% at det-s3."""
     flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     if 3 * (_m_tiles(geo, block_m, True) - flat) > flat:
         return False
     if kind != "fwd":
         return True
-    return (nseg > 1 and dtype != torch.bfloat16) or geo.out_h * geo.out_w <= 2 * block_m
+    return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m
 
 
-def prefetch_packed(dtype: torch.dtype) -> bool:
-    """Forward with packed segments: issue the next K step's loads by hand before this step's dot. Measured
-    on the H200 at hires-g8 (benchmarks/NOTES.md, v5): fp16 0.87 -> 0.67 ms (0.60 with per-image tiles);
-    bf16 1.03 vs 0.81-0.90 ms and fp32 1.48 vs 1.09 ms without it."""
-    return dtype == torch.float16
+def grouped_input(geo: ConvGeometry, seg: int, device: torch.device) -> bool:
+    """Packed segments that are whole offset groups: the kernels read the input in the offset-grouped layout
+    [N, G, H, W, Cin/G] instead of NHWC (one copy either way, from NCHW), so that the (x0, x0+1) corners of a
+    sample point are one run of 2*SEG elements, loaded by two neighbouring threads from one cache line
+    (_corner_pairs): half the lines a gather instruction touches. Measured on the H200 (benchmarks/NOTES.md,
+    v10), hires-g8 forward, CUDA graph: fp16 0.595 -> 0.425 ms, bf16 0.806 -> 0.436, fp32 1.077 -> 0.807 (NHWC
+    with the same paired loads: 0.509 fp16, 0.521 bf16)."""
+    return _short_segments(geo, seg, "fwd") and seg == geo.in_channels // geo.offset_groups
 
 
 def go_resident(geo: ConvGeometry, block_n: int) -> bool:
@@ -148,7 +153,9 @@ def _unique(cands: List[Config]) -> List[Config]:
 # 0.360 at 168; the 128x256 tile cannot compile under 158) and the chunked grad_input kernel (det-s3 1.31 -> 1.81).
 # fp32 (v9): the packed grad_input kernel 1.727 -> 1.621 at 168 (1.647 at 128), packed grad_weight 1.459 -> 1.339
 # at 168 (1.883 at 128), the wide grad_weight tile at few positions (see _bwd_weight_candidates); its forwards
-# stay uncapped (the 128x256 tile cannot compile under the cap; 64x256 is slower).
+# stay uncapped (the 128x256 tile cannot compile under the cap; 64x256 is slower). Re-checked with the paired,
+# offset-grouped corner loads (v10, hires-g8, capped vs uncapped): grad_input kernel fp16 1.395 vs 1.459 ms,
+# fp32 1.541 vs 1.769; grad_weight fp16 0.436 vs 0.455, fp32 0.951 vs 1.013.
 FWD_WIDE_MAXNREG = 128
 DATA_PACKED_MAXNREG = 128
 DATA_PACKED_FP32_MAXNREG = 168
@@ -217,6 +224,7 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     if _short_segments(geo, seg, "bwd_weight"):
         # packed segments: a 64-wide chunk, unpipelined (plain L1-cached loads instead of cp.async); hires-g8
         # fp16 1.27 -> 1.04 ms, bf16 1.30 -> 1.06, fp32 3.07 -> 1.47 (benchmarks/NOTES.md, v6); then capped
+        # (0.719 ms fp16), then paired offset-grouped corners (v10: 0.436 fp16, 0.444 bf16, 0.951 fp32)
         shapes.insert(0, (64, _pow2_clamp(cout_g, 16, 128), _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64), 4, 1,
                           WEIGHT_PACKED_MAXNREG))
     elif cout_g >= 256:
@@ -360,12 +368,13 @@ def _sample_point(
     off_row, msk_row,      # int64 [BM]: element offset of (n, channel 0, ho, wo) in offset / mask
     ch, L,                 # channel (= offset group * KK + tap), Ho*Wo
     y_ref, x_ref,          # fp32 [BM]: the regular (undeformed) sample point
-    pix_base, H, W, CIN,   # int64 [BM] offset of image n in the NHWC input; input sizes
+    pix_base, H, W, PIX,   # int64 [BM] offset of image n in the input; input sizes; pixel stride (elements)
     m_valid,               # bool [BM]
     HAS_MASK: tl.constexpr,
 ):
-    """Sample point of one tap and offset group: the element offset of its top-left corner (y0, x0) in
-    the NHWC input, which of the 4 corners lie inside the image, the fractions (ly, lx) and the mask."""
+    """Sample point of one tap and offset group: the element offset of its top-left corner (y0, x0) from
+    the image's base (pixels PIX elements apart: Cin in NHWC, Cin/G in the offset-grouped layout), which of
+    the 4 corners lie inside the image, the fractions (ly, lx) and the mask."""
     dy_row = off_row + (2 * ch).to(tl.int64) * L  # int64: one image's offsets may pass 2**31 elements
     dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0).to(tl.float32)
     dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0).to(tl.float32)
@@ -382,7 +391,7 @@ def _sample_point(
     bottom = inside & (y0 + 1 < H)
     left = x0 >= 0
     right = x0 + 1 < W
-    p00 = pix_base + (y0 * W + x0).to(tl.int64) * CIN
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
     if HAS_MASK:
         mv = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0).to(tl.float32)
     else:
@@ -409,26 +418,6 @@ def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.con
 
 
 @triton.jit
-def _load_corners_3d_raw(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
-    """The 4 bilinear corners [BM, NSEG, SEG] in the input's dtype (zero outside the image or for masked-off
-    segments): p00 and the masks are [BM, NSEG] (one sample point per segment), cc [NSEG, SEG] the channels."""
-    ptrs = ptr + p00[:, :, None] + cc[None, :, :]
-    row = W * CIN
-    c00 = tl.load(ptrs, mask=v00[:, :, None], other=0.0)
-    c01 = tl.load(ptrs + CIN, mask=v01[:, :, None], other=0.0)
-    c10 = tl.load(ptrs + row, mask=v10[:, :, None], other=0.0)
-    c11 = tl.load(ptrs + row + CIN, mask=v11[:, :, None], other=0.0)
-    return c00, c01, c10, c11
-
-
-@triton.jit
-def _load_corners_3d(ptr, p00, cc, v00, v01, v10, v11, W, CIN):
-    """_load_corners_3d_raw in fp32."""
-    c00, c01, c10, c11 = _load_corners_3d_raw(ptr, p00, cc, v00, v01, v10, v11, W, CIN)
-    return c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
-
-
-@triton.jit
 def _bilinear_weights(ly, lx, mv):
     """Weights of the corners (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1) from the fractions, mask folded in."""
     return (1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv
@@ -443,13 +432,66 @@ def _blend(w00, w01, w10, w11, c00, c01, c10, c11):
 
 
 @triton.jit
+def _segment_channels(c_first, GS, SEG: tl.constexpr, GROUPED: tl.constexpr):
+    """Element offsets [NSEG, SEG] (int64, from a pixel's address) of the channels of the segments starting at
+    c_first [NSEG]: the channel index itself in NHWC; in the offset-grouped layout (where a segment is a whole
+    offset group) the group's base, GS = H*W*SEG elements apart, plus 0..SEG-1."""
+    if GROUPED:
+        base = (c_first // SEG).to(tl.int64) * GS
+    else:
+        base = c_first.to(tl.int64)
+    return base[:, None] + tl.arange(0, SEG)[None, :]
+
+
+@triton.jit
+def _pair_pointers(ptr, p00, cc, PIX):
+    """Pointers [BM, NSEG, 2, SEG] to the top corner pairs (row y0: x0, x0+1) of each sample point: p00 is
+    [BM, NSEG], cc [NSEG, SEG] (_segment_channels), PIX the pixel stride."""
+    j = tl.arange(0, 2)
+    return ptr + p00[:, :, None, None] + (cc[None, :, None, :] + (j * PIX).to(tl.int64)[None, None, :, None])
+
+
+@triton.jit
+def _pair_mask(left_ok, right_ok):
+    """Which corners of a pair exist, [BM, NSEG, 2, 1], from the left and right corners' [BM, NSEG] masks."""
+    left = (tl.arange(0, 2) == 0)[None, None, :, None]
+    return tl.where(left, left_ok[:, :, None, None], right_ok[:, :, None, None])
+
+
+@triton.jit
+def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX):
+    """The 4 corners of each sample point as two pairs [BM, NSEG, 2, SEG] in the input's dtype: top (row y0:
+    x0, x0+1) and bottom (row y0+1, ROW elements further), zero outside the image or for masked-off segments.
+    In the offset-grouped layout (PIX = SEG) a pair is one run of 2*SEG elements, which two neighbouring
+    threads load from one cache line."""
+    ptrs = _pair_pointers(ptr, p00, cc, PIX)
+    top = tl.load(ptrs, mask=_pair_mask(v00, v01), other=0.0)
+    bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11), other=0.0)
+    return top, bottom
+
+
+@triton.jit
+def _pair_weights(ly, lx, mv):
+    """_bilinear_weights as pairs: top (w00, w01) and bottom (w10, w11), each [BM, NSEG, 2]."""
+    right = (tl.arange(0, 2) == 1)[None, None, :]
+    wx = tl.where(right, lx[:, :, None], 1.0 - lx[:, :, None])
+    return ((1.0 - ly) * mv)[:, :, None] * wx, (ly * mv)[:, :, None] * wx
+
+
+@triton.jit
+def _blend_pairs(wt, wb, top, bottom):
+    """The bilinear samples [BM, NSEG, SEG] in fp32 from _corner_pairs and _pair_weights."""
+    return tl.sum(wt[:, :, :, None] * top.to(tl.float32) + wb[:, :, :, None] * bottom.to(tl.float32), axis=2)
+
+
+@triton.jit
 def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK: tl.constexpr, L,
-                         y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK: tl.constexpr):
+                         y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK: tl.constexpr):
     """_sample_point for a K chunk of NSEG short segments: one sample point per (position, segment), all
     [BM, NSEG]. c_first [NSEG] is each segment's first channel, seg_ok [NSEG] which segments exist."""
     ch = (c_first // COG) * KK + tap
     return _sample_point(off_ptr, msk_ptr, off_row[:, None], msk_row[:, None], ch[None, :], L, y_ref[:, None],
-                         x_ref[:, None], pix_base[:, None], H, W, CIN, m_valid[:, None] & seg_ok[None, :], HAS_MASK)
+                         x_ref[:, None], pix_base[:, None], H, W, PIX, m_valid[:, None] & seg_ok[None, :], HAS_MASK)
 
 
 @triton.jit
@@ -496,12 +538,12 @@ def _tap_origin(tap, y_out, x_out, KW: tl.constexpr, DIL_H, DIL_W):
 
 @triton.jit
 def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, live, step, gc,
-                 H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W,
+                 H, W, PIX, GS, L, CIN_G, COG, DIL_H, DIL_W,
                  KW: tl.constexpr, KK: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr,
-                 HAS_MASK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Step `step` (= tap * chunks + chunk) of a packed-segment K loop of conv group gc: the 4 blend weights
-    [BM, NSEG] (fp32, mask folded in) and the 4 corners [BM, NSEG, SEG] as loaded (input dtype), so that
-    they can be issued one step ahead. Positions with `live` False load nothing."""
+                 HAS_MASK: tl.constexpr, GROUPED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Step `step` (= tap * chunks + chunk) of a packed-segment K loop of conv group gc: the blend weights as
+    _pair_weights [BM, NSEG, 2] (fp32, mask folded in) and the corners as _corner_pairs [BM, NSEG, 2, SEG]
+    (input dtype), so that they can be issued one step ahead. Positions with `live` False load nothing."""
     n_chunks = tl.cdiv(CIN_G, BLOCK_K)
     tap = step // n_chunks
     c0 = (step - tap * n_chunks) * BLOCK_K
@@ -510,11 +552,10 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
     c_first = gc * CIN_G + c0 + offs_s * SEG
     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
         off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
-        y_ref, x_ref, pix_base, H, W, CIN, live, HAS_MASK)
-    c00, c01, c10, c11 = _load_corners_3d_raw(x_ptr, p00, c_first[:, None] + tl.arange(0, SEG)[None, :],
-                                              v00, v01, v10, v11, W, CIN)
-    w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-    return w00, w01, w10, w11, c00, c01, c10, c11
+        y_ref, x_ref, pix_base, H, W, PIX, live, HAS_MASK)
+    top, bottom = _corner_pairs(x_ptr, p00, _segment_channels(c_first, GS, SEG, GROUPED), v00, v01, v10, v11, W * PIX, PIX)
+    wt, wb = _pair_weights(ly, lx, mv)
+    return wt, wb, top, bottom
 
 
 @triton.jit
@@ -529,17 +570,21 @@ def _weight_tile(w_ptr, rows, k_ok, n_ok, offs_n, COUT_G, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _corner_sums(g, c00, c01, c10, c11):
-    """The 4 sums over each segment's channels (axis 2 of [BM, NSEG, SEG]) that grad_mask and grad_offset are
-    linear in: sum g*c00, and sum g*d for the exact corner differences dx = c01 - c00, dy = c10 - c00,
-    dy1 = c11 - c01 (g: grad_col, fp32)."""
-    return (tl.sum(g * c00, axis=2), tl.sum(g * (c01 - c00), axis=2), tl.sum(g * (c10 - c00), axis=2),
-            tl.sum(g * (c11 - c01), axis=2))
+def _pair_sums(g, top, bottom):
+    """The 4 sums over each segment's channels that grad_mask and grad_offset are linear in, [BM, NSEG] each,
+    from _corner_pairs and grad_col g [BM, NSEG, SEG] (fp32): sum g*c00, and sum g*d for the exact corner
+    differences dx = c01 - c00, dy = c10 - c00, dy1 = c11 - c01 (each one rounding, as elementwise)."""
+    top = top.to(tl.float32)
+    right = (tl.arange(0, 2) == 1)[None, None, :, None]
+    c00 = tl.sum(tl.where(right, 0.0, top), axis=2)
+    dx = tl.sum(tl.where(right, top, -top), axis=2)
+    sdy, sdy1 = tl.split(tl.sum(g[:, :, None, :] * (bottom.to(tl.float32) - top), axis=3))
+    return tl.sum(g * c00, axis=2), tl.sum(g * dx, axis=2), sdy, sdy1
 
 
 @triton.jit
 def _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
-    """grad_mask, grad_offset_y, grad_offset_x of one sample point from its _corner_sums. The sampled value is
+    """grad_mask, grad_offset_y, grad_offset_x of one sample point from its _pair_sums. The sampled value is
     val = c00 + lx*dx + ly*dy + lx*ly*(dy1 - dy), so grad_mask = sum g*val and grad_offset = mv * sum g *
     (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels."""
     dd = sdy1 - sdy
@@ -549,7 +594,7 @@ def _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
 @triton.jit
 def _deform_conv2d_fwd_kernel(
     # pointers
-    x_ptr,        # input  NHWC [N, H, W, Cin]
+    x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
@@ -569,10 +614,11 @@ def _deform_conv2d_fwd_kernel(
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
-    PREFETCH: tl.constexpr,            # NSEG > 1: load the next K step's corners before this step's dot
+    GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
+    tl.static_assert(NSEG > 1 or not GROUPED, "the offset-grouped input layout is for packed segments")
     # --- which tile ---
     pid = tl.program_id(0)
     gc = tl.program_id(1)
@@ -587,46 +633,31 @@ def _deform_conv2d_fwd_kernel(
     n_ok = offs_n < COUT_G
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # the input's pixel stride (GROUPED: a constexpr, so Triton knows each corner run is SEG-aligned) and group stride
+    PIX = SEG if GROUPED else CIN
+    GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
 
     # --- K loop, short segments: one flat loop over (tap, chunk of NSEG segments) steps, one sample point per
     # segment; the next step's offsets and corners are loaded before this step's blend and dot (by hand: the
     # chunk loop alone is too short for Triton's pipelining, e.g. 2 chunks a tap for 64 channels) ---
-    if NSEG > 1 and PREFETCH:
+    if NSEG > 1:
         n_steps = KK * tl.cdiv(CIN_G, BLOCK_K)
-        w00, w01, w10, w11, c00, c01, c10, c11 = _packed_step(
+        wt, wb, top, bottom = _packed_step(
             x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, m_valid, 0, gc,
-            H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, BLOCK_K)
+            H, W, PIX, GS, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, GROUPED, BLOCK_K)
         for step in range(n_steps):
             # --- issue the next step's loads (none after the last step) ---
-            n00, n01, n10, n11, d00, d01, d10, d11 = _packed_step(
+            nwt, nwb, ntop, nbottom = _packed_step(
                 x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_out, m_valid & (step + 1 < n_steps),
-                step + 1, gc, H, W, CIN, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, BLOCK_K)
+                step + 1, gc, H, W, PIX, GS, L, CIN_G, COG, DIL_H, DIL_W, KW, KK, SEG, NSEG, HAS_MASK, GROUPED, BLOCK_K)
             # --- this step: blend, B tile, dot ---
-            a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-            a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+            a = tl.reshape(_blend_pairs(wt, wb, top, bottom), (BLOCK_M, BLOCK_K))
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
             b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G, n_ok,
                              offs_n, COUT_G, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
-            w00, w01, w10, w11, c00, c01, c10, c11 = n00, n01, n10, n11, d00, d01, d10, d11
-    elif NSEG > 1:  # --- the same steps without the prefetch (bf16, fp32: see prefetch_packed) ---
-        offs_s = tl.arange(0, NSEG)
-        offs_t = tl.arange(0, SEG)
-        for tap in range(KK):
-            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
-            for c0 in range(0, CIN_G, BLOCK_K):
-                c_first = gc * CIN_G + c0 + offs_s * SEG
-                p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
-                    off_ptr, msk_ptr, off_row, msk_row, c_first, c0 + offs_s * SEG < CIN_G, tap, COG, KK, L,
-                    y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
-                w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-                a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-                a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
-                b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G,
-                                 n_ok, offs_n, COUT_G, EVEN_K)
-                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+            wt, wb, top, bottom = nwt, nwb, ntop, nbottom
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
         for tap in range(KK):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
@@ -664,6 +695,15 @@ def _scatter_add(ptrs, vals, mask, scale, FIXED: tl.constexpr):
 
 
 @triton.jit
+def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr):
+    """grad_input's adds at the 4 corners of each sample point, as _corner_pairs' two pairs: grad_col g
+    [BM, NSEG, SEG] (fp32) times the _pair_weights wt, wb [BM, NSEG, 2]."""
+    ptrs = _pair_pointers(ptr, p00, cc, PIX)
+    _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01), scale, FIXED)
+    _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11), scale, FIXED)
+
+
+@triton.jit
 def _grad_col(go_ptr, go_row, go_res, w_ptr, w_rows, k_ok, gc, m_valid, COUT_G, go_sc,
               GO_RESIDENT: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -689,12 +729,12 @@ def _grad_col(go_ptr, go_row, go_res, w_ptr, w_rows, k_ok, gc, m_valid, COUT_G, 
 @triton.jit
 def _deform_conv2d_bwd_data_kernel(
     # pointers
-    x_ptr,        # input  NHWC [N, H, W, Cin]
+    x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
-    gin_ptr,      # grad_input NHWC [N, H, W, Cin], zeroed (atomic adds; if NEED_GIN): fp32, or int64 if FIXED_GIN
+    gin_ptr,      # grad_input in x's layout, zeroed (atomic adds; if NEED_GIN): fp32, or int64 if FIXED_GIN
     goff_ptr,     # grad_offset NCHW like offset (if NEED_GOFF)
     gmsk_ptr,     # grad_mask NCHW like mask (if NEED_GMSK)
     scale_ptr,    # fp32 [1]: grad_input's fixed-point scale (read only if FIXED_GIN)
@@ -714,11 +754,13 @@ def _deform_conv2d_bwd_data_kernel(
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     GO_RESIDENT: tl.constexpr,    # one conv group and Cout <= BLOCK_N: the grad_out tile is loaded once
     TAP_SPLIT: tl.constexpr,      # programs per M tile, each taking a run of taps (more programs for few positions)
+    GROUPED: tl.constexpr,        # NSEG > 1 only: input and grad_input in the offset-grouped layout
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Per M tile and run of taps: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it
     to the 4 corners of grad_input (atomics) and reduce it over channels into grad_offset and grad_mask (each
     (position, tap, offset group) is owned by one program: plain stores). Grid: (M tiles, TAP_SPLIT)."""
+    tl.static_assert(NSEG > 1 or not GROUPED, "the offset-grouped input layout is for packed segments")
     # --- which tile, which taps ---
     pid_m = tl.program_id(0)
     KK: tl.constexpr = KH * KW
@@ -746,7 +788,8 @@ def _deform_conv2d_bwd_data_kernel(
 
     if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
         offs_s = tl.arange(0, NSEG)
-        offs_t = tl.arange(0, SEG)
+        PIX = SEG if GROUPED else CIN  # pixel and offset-group strides of x and grad_input (see the forward)
+        GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
         for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for gc in range(CIN // CIN_G):
@@ -761,16 +804,16 @@ def _deform_conv2d_bwd_data_kernel(
                     # --- corners [BM, NSEG, SEG], reductions over each group's channels, scatter ---
                     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                         off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
-                        y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                    cc = c_first[:, None] + offs_t[None, :]
+                        y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK)
+                    cc = _segment_channels(c_first, GS, SEG, GROUPED)
                     g3 = tl.reshape(gcol, (BLOCK_M, NSEG, SEG))
                     ch = (c_first // COG) * KK + tap
                     done = m_valid[:, None] & seg_ok[None, :]
                     # grad_mask and grad_offset from 4 channel sums (fewer operations per element: hires-g8's
                     # kernel 1.86 -> 1.77 ms; the chunked loop below measured slower with them, so keeps its 3)
                     if NEED_GMSK or NEED_GOFF:
-                        c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, cc, v00, v01, v10, v11, W, CIN)
-                        s00, sdx, sdy, sdy1 = _corner_sums(g3, c00, c01, c10, c11)
+                        top, bottom = _corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * PIX, PIX)
+                        s00, sdx, sdy, sdy1 = _pair_sums(g3, top, bottom)
                         g_m, g_y, g_x = _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
                         if NEED_GMSK:
                             tl.store(gmsk_ptr + msk_row[:, None] + (ch.to(tl.int64) * L)[None, :],
@@ -780,14 +823,8 @@ def _deform_conv2d_bwd_data_kernel(
                             tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
                             tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
                     if NEED_GIN:
-                        top = (1.0 - ly) * mv  # row weights of grad_input's corners, mask folded in
-                        bot = ly * mv
-                        ptrs = gin_ptr + p00[:, :, None] + cc[None, :, :]
-                        row = W * CIN
-                        _scatter_add(ptrs, g3 * (top * (1.0 - lx))[:, :, None], v00[:, :, None], scale, FIXED_GIN)
-                        _scatter_add(ptrs + CIN, g3 * (top * lx)[:, :, None], v01[:, :, None], scale, FIXED_GIN)
-                        _scatter_add(ptrs + row, g3 * (bot * (1.0 - lx))[:, :, None], v10[:, :, None], scale, FIXED_GIN)
-                        _scatter_add(ptrs + row + CIN, g3 * (bot * lx)[:, :, None], v11[:, :, None], scale, FIXED_GIN)
+                        wt, wb = _pair_weights(ly, lx, mv)
+                        _scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * PIX, PIX, scale, FIXED_GIN)
     else:  # --- taps x offset groups x segments x channel chunks ---
         for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
@@ -838,7 +875,7 @@ def _deform_conv2d_bwd_data_kernel(
 @triton.jit
 def _deform_conv2d_bwd_weight_kernel(
     # pointers
-    x_ptr,        # input  NHWC [N, H, W, Cin]
+    x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
@@ -855,11 +892,13 @@ def _deform_conv2d_bwd_weight_kernel(
     NSEG: tl.constexpr,           # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     DOT_PRECISION: tl.constexpr,
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
+    GROUPED: tl.constexpr,        # NSEG > 1 only: the input in the offset-grouped layout
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward.
     Split-M: program (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in
     a fixed order. Grid: (groups*KK*segments*K-chunks, N tiles, SPLIT)."""
+    tl.static_assert(NSEG > 1 or not GROUPED, "the offset-grouped input layout is for packed segments")
     # --- which (conv group, tap, segment, channel chunk), which N tile, which split ---
     pid_row = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -886,6 +925,8 @@ def _deform_conv2d_bwd_weight_kernel(
     n_ok = offs_n < COUT_G
     L = HO * WO
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    PIX = SEG if GROUPED else CIN  # the input's pixel and offset-group strides (see the forward)
+    GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
 
     # --- M loop (this split's share) ---
     if PER_IMAGE:
@@ -898,15 +939,14 @@ def _deform_conv2d_bwd_weight_kernel(
         y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
         if NSEG > 1:
             offs_s = tl.arange(0, NSEG)
-            offs_t = tl.arange(0, SEG)
             c_first = c_lo + kb * BLOCK_K + offs_s * SEG
             p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                 off_ptr, msk_ptr, off_row, msk_row, c_first, kb * BLOCK_K + offs_s * SEG < CIN_G, tap, COG, KK, L,
-                y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-            c00, c01, c10, c11 = _load_corners_3d(x_ptr, p00, c_first[:, None] + offs_t[None, :], v00, v01, v10, v11, W, CIN)
-            w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-            a3 = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-            a = tl.reshape(a3, (BLOCK_M, BLOCK_K))
+                y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK)
+            top, bottom = _corner_pairs(x_ptr, p00, _segment_channels(c_first, GS, SEG, GROUPED), v00, v01, v10, v11,
+                                        W * PIX, PIX)
+            wt, wb = _pair_weights(ly, lx, mv)
+            a = tl.reshape(_blend_pairs(wt, wb, top, bottom), (BLOCK_M, BLOCK_K))
         else:
             p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                 off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
@@ -976,8 +1016,11 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
     key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     run = _TRANSPOSES.get(key)
     if run is None:
-        grid = (triton.cdiv(a, 64), triton.cdiv(b, 64), src.shape[0])
-        run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b), dict(BLOCK_A=64, BLOCK_B=64, num_warps=4)))
+        block_a = _pow2_clamp(a, 8, 64)  # short rows (a few channels of an offset group): longer tiles along b
+        block_b = 4096 // block_a
+        grid = (triton.cdiv(a, block_a), triton.cdiv(b, block_b), src.shape[0])
+        run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b),
+                                                  dict(BLOCK_A=block_a, BLOCK_B=block_b, num_warps=4)))
     run(src, out)
     return out
 
@@ -1016,6 +1059,28 @@ def _nhwc(t: Tensor) -> Tensor:
     n, c, h, w = t.shape
     out = torch.empty_like(t, memory_format=torch.channels_last)
     return _transpose_last(t, c, h * w, out)
+
+
+def _offset_grouped(t: Tensor, offset_groups: int) -> Tensor:
+    """The tensor's data as [N, G, H, W, C/G] (each offset group's channels of a pixel contiguous, pixels of
+    one group contiguous): one transpose pass from NCHW, a permuting copy from channels_last."""
+    n, c, h, w = t.shape
+    cog = c // offset_groups
+    if t.is_contiguous() and t.device.type == "cuda" and t.numel():
+        out = torch.empty((n, offset_groups, h, w, cog), dtype=t.dtype, device=t.device)
+        _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog))
+        return out
+    return t.permute(0, 2, 3, 1).reshape(n, h, w, offset_groups, cog).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
+    """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, G, H, W, C/G] buffer."""
+    n, g, h, w, cog = buf.shape
+    if out.is_contiguous() and buf.device.type == "cuda" and out.numel():
+        _transpose_last(buf.view(n * g, h * w, cog), h * w, cog, out.view(n * g, cog, h * w))
+        return out
+    out.unflatten(1, (g, cog)).copy_(buf.permute(0, 1, 4, 2, 3))
+    return out
 
 
 def _from_nhwc(buf: Tensor, out: Tensor) -> Tensor:
@@ -1138,15 +1203,17 @@ def deform_conv2d_forward(
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
     # --- check and prepare ---
     off, msk, wp = _operands(input, offset, weight, mask)
-    x = _nhwc(input)
     msk = msk if msk is not None else off  # the mask pointer falls back to the offset; never read then
     b = bias.contiguous() if bias is not None else wp
-    key = _plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (x, off, msk, b), bias is None)
+    key = _plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (input, off, msk, b), bias is None)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-        plan = dict(geo=geo, seg=segment_length(geo), memory_format=suggest_memory_format(input))
+        seg = segment_length(geo)
+        plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
+                    grouped=grouped_input(geo, seg, input.device))
     geo, seg = plan["geo"], plan["seg"]
+    x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
                       memory_format=plan["memory_format"])
@@ -1160,8 +1227,8 @@ def deform_conv2d_forward(
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
-                    DOT_PRECISION=_dot_precision(input.dtype), PER_IMAGE=per_image, PREFETCH=prefetch_packed(input.dtype),
-                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+                    DOT_PRECISION=_dot_precision(input.dtype), PER_IMAGE=per_image,
+                    GROUPED=plan["grouped"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, wp, b, out)
         return run
@@ -1253,36 +1320,42 @@ def _backward_images(
 ) -> Optional[Tensor]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
-    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the NHWC copies of input and grad_out, and
-    grad_input's accumulator, freed before grad_weight's partials are allocated (so the two never add up)."""
+    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the copies of input (NHWC, or offset-grouped: see
+    grouped_input) and grad_out (NHWC), and grad_input's accumulator (in the input copy's layout), freed before
+    grad_weight's partials are allocated (so the two never add up)."""
     # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
     go = _nhwc(grad_out)
-    x = _nhwc(input)
     msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
-                    (x, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
+                    (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
                     need_in, fixed_gin, need_off, need_mask, need_w)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
         seg = segment_length(geo)
+        grouped = grouped_input(geo, seg, input.device)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
-                    DOT_PRECISION=_dot_precision(input.dtype))
-        plan = dict(geo=geo, seg=seg, args=args, meta=meta)
+                    DOT_PRECISION=_dot_precision(input.dtype), GROUPED=grouped)
+        # grad_input's accumulator in the layout the kernels read the input in
+        gin_shape = ((geo.batch, geo.offset_groups, geo.height, geo.width, geo.in_channels // geo.offset_groups)
+                     if grouped else (geo.batch, geo.height, geo.width, geo.in_channels))
+        plan = dict(geo=geo, seg=seg, args=args, meta=meta, gin_shape=gin_shape)
     geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
+    grouped = meta["GROUPED"]
+    x = _offset_grouped(input, geo.offset_groups) if grouped else _nhwc(input)
     cout_g = geo.out_channels // geo.groups
     grad_w = None
 
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     if need_in or need_off or need_mask:
-        gin = torch.empty((geo.batch, geo.height, geo.width, geo.in_channels),
-                          dtype=torch.int64 if fixed_gin else torch.float32, device=input.device) if need_in else off
+        gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
+                          device=input.device) if need_in else off
         goff = grad_off if need_off else off
         gmsk = grad_mask if need_mask else off
         scale = scales[0] if fixed_gin else off
@@ -1312,12 +1385,12 @@ def _backward_images(
             if need_in:
                 gin.zero_()
             plan["data"](x, off, msk, wp, go, gin, goff, gmsk, scale)
-        # grad_input from its NHWC accumulator (fp32, or int64 fixed point) into the returned tensor, then
-        # the accumulator is freed: grad_weight's partials below take its place
+        # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
+        # accumulator is freed: grad_weight's partials below take its place
         if need_in:
             if fixed_gin:
                 gin = gin.to(torch.float32).mul_(scales[1])
-            _from_nhwc(gin, grad_in)
+            _from_offset_grouped(gin, grad_in) if grouped else _from_nhwc(gin, grad_in)
             del gin
 
     # --- grad_weight: split-M partial sums, added in a fixed order ---
