@@ -193,7 +193,7 @@ def test_offset_grouped_layout_where_segments_are_whole_packed_groups(geo, group
     """The kernels read the input offset-grouped exactly where segments are packed and each one a whole offset
     group (then all three kernels take packed segments); NHWC otherwise."""
     seg = deform_ops.segment_length(geo)
-    assert deform_ops.grouped_input(geo, seg, torch.device("cpu")) == grouped
+    assert deform_ops.grouped_input(geo, seg) == grouped
     if grouped:
         for kind in ("fwd", "bwd_data", "bwd_weight"):
             assert deform_ops.segments_per_chunk(geo, seg, 32, kind) > 1

@@ -113,18 +113,20 @@ def test_tf32_follows_cudnn_flag():
     assert 1e-6 < rel(loose) < 5e-3
 
 
-def test_int64_indexing_large_input():
-    """An input of more than 2**31 elements: the last rows (highest addresses) are right."""
+@pytest.mark.parametrize("k,offset_groups", [(3, 1), (1, 8)], ids=["3x3-nhwc", "1x1-og8-offset-grouped"])
+def test_int64_indexing_large_input(k, offset_groups):
+    """An input of more than 2**31 elements: the last rows (highest addresses) are right, read channels-last
+    or (8-channel offset groups) from the offset-grouped copy."""
     n, cin, cout, h, w = 1, 64, 16, 5800, 5800
     assert n * cin * h * w > 2**31
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(n, h, w, cin, generator=gen, device="cuda", dtype=torch.float16).permute(0, 3, 1, 2)
-    offset = (torch.rand(n, 18, h, w, generator=gen, device="cuda", dtype=torch.float16) - 0.5)
-    weight = torch.randn(cout, cin, 3, 3, generator=gen, device="cuda", dtype=torch.float16) * 0.05
-    out = deformconv.deform_conv2d(x, offset, weight, padding=1, backend="triton")
+    offset = (torch.rand(n, 2 * offset_groups * k * k, h, w, generator=gen, device="cuda", dtype=torch.float16) - 0.5)
+    weight = torch.randn(cout, cin, k, k, generator=gen, device="cuda", dtype=torch.float16) * 0.05
+    out = deformconv.deform_conv2d(x, offset, weight, padding=k // 2, backend="triton")
     crop = 24
     ref = deformconv.deform_conv2d(x[:, :, h - crop:].double(), offset[:, :, h - crop:].double(), weight.double(),
-                                   padding=1, backend="reference")
+                                   padding=k // 2, backend="reference")
     assert_close(out[:, :, h - crop + 4:], ref[:, :, 4:], torch.float16, "last rows")
 
 

@@ -119,7 +119,7 @@ def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype
     return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m
 
 
-def grouped_input(geo: ConvGeometry, seg: int, device: torch.device) -> bool:
+def grouped_input(geo: ConvGeometry, seg: int) -> bool:
     """Packed segments that are whole offset groups: the kernels read the input in the offset-grouped layout
     [N, G, H, W, Cin/G] instead of NHWC (one copy either way, from NCHW), so that the (x0, x0+1) corners of a
     sample point are one run of 2*SEG elements, loaded by two neighbouring threads from one cache line
@@ -1016,7 +1016,8 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
     key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     run = _TRANSPOSES.get(key)
     if run is None:
-        block_a = _pow2_clamp(a, 8, 64)  # short rows (a few channels of an offset group): longer tiles along b
+        # 64 x 64 tiles; a short side (the few channels of an offset group) gets its own size, the other the rest
+        block_a = _pow2_clamp(a, 8, 64) if b >= a else 4096 // _pow2_clamp(b, 8, 64)
         block_b = 4096 // block_a
         grid = (triton.cdiv(a, block_a), triton.cdiv(b, block_b), src.shape[0])
         run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b),
@@ -1211,7 +1212,7 @@ def deform_conv2d_forward(
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
         seg = segment_length(geo)
         plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
-                    grouped=grouped_input(geo, seg, input.device))
+                    grouped=grouped_input(geo, seg))
     geo, seg = plan["geo"], plan["seg"]
     x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
     # --- allocate ---
@@ -1338,7 +1339,7 @@ def _backward_images(
     if plan is None:
         geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
         seg = segment_length(geo)
-        grouped = grouped_input(geo, seg, input.device)
+        grouped = grouped_input(geo, seg)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
                     DOT_PRECISION=_dot_precision(input.dtype), GROUPED=grouped)
