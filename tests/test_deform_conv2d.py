@@ -496,3 +496,17 @@ def test_bias_gradient_alone(backend, dtype, layout):
         assert grad_out.is_contiguous(memory_format=torch.channels_last)
     out.backward(grad_out.to(dtype))
     assert_close(b.grad, grad_out.to(dtype).double().sum((0, 2, 3)), dtype, "grad_bias")
+
+
+@pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
+@pytest.mark.parametrize("n,a,b", [(2, 8, 1000), (3, 1000, 8), (1, 3, 5), (2, 100, 70), (2, 20, 4)],
+                         ids=["short-rows", "short-columns", "tiny", "two-partial-tiles", "short-columns-odd"])
+def test_transpose_kernel_sizes_its_tiles_to_a_short_side(n, a, b):
+    """The layout-copy kernel (NCHW <-> NHWC, NCHW <-> offset-grouped, with a dtype cast): a side of a few
+    elements (an offset group's 8 channels) gets its own tile size, either way round; every element lands."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    src = torch.randn(n, a, b, generator=torch.Generator().manual_seed(a * b), dtype=torch.float32)
+    out = torch.full((n, b, a), float("nan"), dtype=torch.float16)
+    kernels._transpose_last(src, a, b, out)
+    torch.testing.assert_close(out, src.transpose(1, 2).to(torch.float16), atol=0, rtol=0)
