@@ -801,7 +801,7 @@ def _deform_conv2d_bwd_data_kernel(
                     # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
                     gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + offs_k, k_ok, gc, m_valid, COUT_G, go_sc,
                                      GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-                    # --- corners [BM, NSEG, SEG], reductions over each group's channels, scatter ---
+                    # --- corner pairs [BM, NSEG, 2, SEG], reductions over each group's channels, scatter ---
                     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                         off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
                         y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK)
