@@ -460,6 +460,15 @@ def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, 
     assert kernels.backward_chunk_images(small, small, True, True, deterministic) == 64
 
 
+def test_backward_chunk_images_counts_the_offset_grouped_copy():
+    """hires-g8's shape channels-last in fp16: read NHWC in place, the scratch is the fp32 accumulator (2 inputs'
+    worth: 12 of 16 images within 1.5x); read offset-grouped, the input's copy counts too (3 inputs' worth: 8)."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    x = _meta((16, 64, 128, 128), torch.float16, True)
+    assert kernels.backward_chunk_images(x, x, True, True, False) == 12
+    assert kernels.backward_chunk_images(x, x, True, True, False, grouped=True) == 8
+
+
 def test_workspace_budget_from_the_environment(monkeypatch):
     """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch); anything that is not
     a number >= 0 is refused, naming the variable."""

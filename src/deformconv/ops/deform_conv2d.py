@@ -262,7 +262,8 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 
 
 # Backward workspace: the scratch memory of one backward beyond the gradients it returns. Per image: the
-# NHWC copies of input and grad_out (when they come NCHW), grad_input's accumulator (fp32; int64 plus an fp32
+# copies of input and grad_out (NHWC, when they come NCHW; the input's always where it is read offset-grouped,
+# see grouped_input), grad_input's accumulator (fp32; int64 plus an fp32
 # conversion in deterministic mode) and grad_weight's split partials (which reuse the accumulator's memory,
 # see _backward_images). Over the whole batch at once that was 4.4x the input's size at det-s3 in
 # fp16; the batch is processed in chunks of images instead, so that it stays within WORKSPACE_BUDGET times
@@ -290,13 +291,15 @@ def workspace_budget() -> float:
     return value
 
 
-def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool) -> int:
-    """Images per chunk of the backward (the whole batch when the budget allows it, at least 1)."""
+def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
+                          grouped: bool = False) -> int:
+    """Images per chunk of the backward (the whole batch when the budget allows it, at least 1). grouped: the
+    input is read offset-grouped (grouped_input), so it is copied even when it comes channels-last."""
     batch, cin, h, w = input.shape
     _, cout, ho, wo = grad_out.shape
     elem = input.element_size()
     per_image = 0
-    if not input.is_contiguous(memory_format=torch.channels_last):
+    if grouped or not input.is_contiguous(memory_format=torch.channels_last):
         per_image += cin * h * w * elem
     if not grad_out.is_contiguous(memory_format=torch.channels_last):
         per_image += cout * ho * wo * elem
@@ -1299,7 +1302,8 @@ def deform_conv2d_backward(
     grad_w = None
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
-        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin)
+        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped_input(geo, segment_length(geo)))
         for n0 in range(0, max(batch, 1), step):
             sl = slice(n0, n0 + step)
             part_w = _backward_images(
