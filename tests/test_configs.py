@@ -95,6 +95,24 @@ def test_default_is_the_heuristic_without_autotune(monkeypatch):
     assert calls == []  # nothing launched to choose
 
 
+def test_a_shape_class_shares_tiles_not_splits(monkeypatch):
+    """Shapes of one class (same channels, kernel, dtype, positions up to the next power of two) on either side
+    of a split threshold: without autotuning each gets its own heuristic default; with it, the tile tuned for
+    the first and the split of its own candidates."""
+    key = ("test-class", 1)
+    first = [deform_ops.Config(64, 128, 32, 4, split=3), deform_ops.Config(64, 64, 32, 4, split=3)]
+    second = [deform_ops.Config(64, 128, 32, 4, split=1), deform_ops.Config(64, 64, 32, 4, split=1)]
+    monkeypatch.delenv("DEFORMCONV_AUTOTUNE", raising=False)
+    monkeypatch.setattr(deform_ops, "_TUNED", {})
+    assert deform_ops._pick_config(key, first, lambda cfg: None, torch.device("cuda")) == first[0]
+    assert deform_ops._pick_config(key, second, lambda cfg: None, torch.device("cuda")) == second[0]
+    assert deform_ops.chosen_configs()[key] == first[0]  # the class's first choice, as recorded
+    monkeypatch.setenv("DEFORMCONV_AUTOTUNE", "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(deform_ops, "_TUNED", {key: first[1]})  # tuned on the first shape: the 64-column tile
+    assert deform_ops._pick_config(key, second, lambda cfg: None, torch.device("cuda")) == second[1]
+
+
 def test_autotune_keeps_default_unless_5_percent_faster(monkeypatch):
     import triton.testing
 

@@ -331,15 +331,18 @@ def autotune_enabled() -> bool:
 
 
 def _pick_config(key: tuple, candidates: List[Config], launch, device: torch.device) -> Config:
-    """The heuristic default (candidates[0]); with DEFORMCONV_AUTOTUNE=1 on CUDA, the fastest candidate,
-    timed once per shape class and cached. ``launch`` must be safe to repeat (the caller re-initialises
-    any accumulator after the choice). A candidate must beat the default by 5% to replace it."""
-    if key in _TUNED:
-        return _TUNED[key]
+    """The heuristic default for this call's shape (candidates[0]); with DEFORMCONV_AUTOTUNE=1 on CUDA, the
+    fastest candidate, timed once per shape class and cached: a later shape of the class takes the tuned tile
+    with its own split (splits follow the exact number of positions, see _tap_split and _split_for).
+    ``launch`` must be safe to repeat (the caller re-initialises any accumulator after the choice). A
+    candidate must beat the default by 5% to replace it. chosen_configs() records each class's first choice."""
     if (not autotune_enabled() or len(candidates) == 1 or device.type != "cuda"
             or torch.cuda.is_current_stream_capturing()):
-        _TUNED[key] = candidates[0]
+        _TUNED.setdefault(key, candidates[0])
         return candidates[0]
+    if key in _TUNED:
+        tuned = _TUNED[key]
+        return next((c for c in candidates if dataclasses.replace(c, split=tuned.split) == tuned), tuned)
     from triton.testing import do_bench
 
     times = {}
