@@ -1081,21 +1081,14 @@ def _offset_grouped(t: Tensor, offset_groups: int) -> Tensor:
 
 
 def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
-    """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, G, H, W, C/G] buffer."""
+    """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, G, H, W, C/G] buffer (G = 1:
+    an NHWC buffer)."""
     n, g, h, w, cog = buf.shape
     if out.is_contiguous() and buf.device.type == "cuda" and out.numel():
         _transpose_last(buf.view(n * g, h * w, cog), h * w, cog, out.view(n * g, cog, h * w))
         return out
     out.unflatten(1, (g, cog)).copy_(buf.permute(0, 1, 4, 2, 3))
     return out
-
-
-def _from_nhwc(buf: Tensor, out: Tensor) -> Tensor:
-    """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, H, W, C] buffer."""
-    if out.is_contiguous() and buf.device.type == "cuda" and out.numel():
-        n, h, w, c = buf.shape
-        return _transpose_last(buf, h * w, c, out)
-    return out.copy_(buf.permute(0, 3, 1, 2))
 
 
 def pack_weight(weight: Tensor, groups: int) -> Tensor:
@@ -1350,9 +1343,9 @@ def _backward_images(
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(go))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
                     DOT_PRECISION=_dot_precision(input.dtype), GROUPED=grouped)
-        # grad_input's accumulator in the layout the kernels read the input in
-        gin_shape = ((geo.batch, geo.offset_groups, geo.height, geo.width, geo.in_channels // geo.offset_groups)
-                     if grouped else (geo.batch, geo.height, geo.width, geo.in_channels))
+        # grad_input's accumulator in the layout the kernels read the input in: [N, G, H, W, C/G], G = 1 for NHWC
+        layout_groups = geo.offset_groups if grouped else 1
+        gin_shape = (geo.batch, layout_groups, geo.height, geo.width, geo.in_channels // layout_groups)
         plan = dict(geo=geo, seg=seg, args=args, meta=meta, gin_shape=gin_shape)
     geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
     grouped = meta["GROUPED"]
@@ -1398,7 +1391,7 @@ def _backward_images(
         if need_in:
             if fixed_gin:
                 gin = gin.to(torch.float32).mul_(scales[1])
-            _from_offset_grouped(gin, grad_in) if grouped else _from_nhwc(gin, grad_in)
+            _from_offset_grouped(gin, grad_in)
             del gin
 
     # --- grad_weight: split-M partial sums, added in a fixed order ---
