@@ -31,15 +31,15 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
 
 @pytest.mark.parametrize("shape,dtype,fwd_cap,data_cap,weight_cap", [
     ("det-s3", torch.float16, None, None, None), ("det-s4", torch.float16, 128, None, 128),
-    ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, 128, 168),
-    ("hires-g8", torch.float32, None, 168, 168), ("det-s4", torch.float32, None, None, None),
+    ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, None, 168),
+    ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, None, None, None),
     ("cls-14", torch.float32, None, None, 128),
 ])
 def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
     """The default configs cap registers exactly where the H200 sweeps measured a gain (half dtypes; see the
-    comment above FWD_WIDE_MAXNREG): the wide half-precision forward's 64x256 tile, the packed grad_input
-    kernel, the packed and wide grad_weight kernels (fp32 det-s4's not measured); not det-s3, not
-    deterministic mode's grad_input kernel."""
+    comment above FWD_WIDE_MAXNREG): the wide half-precision forward's 64x256 tile, the packed and wide
+    grad_weight kernels (fp32 det-s4's not measured); not det-s3, not the grad_input kernel (packed segments
+    take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's grad_input kernel."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
            "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
     seg = deform_ops.segment_length(geo)
@@ -48,6 +48,9 @@ def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_ca
     assert deform_ops._bwd_data_candidates(geo, seg, dtype, cpu)[0].maxnreg == data_cap
     assert deform_ops._bwd_data_candidates(geo, seg, dtype, cpu, fixed=True)[0].maxnreg is None
     assert deform_ops._bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))[0].maxnreg == weight_cap
+    if shape == "hires-g8":
+        first, second = deform_ops._bwd_data_candidates(geo, seg, dtype, cpu)[:2]
+        assert (first.block_m, second.block_m, second.maxnreg) == (32, 64, 128 if dtype != torch.float32 else 168)
 
 
 @pytest.mark.parametrize("shape,dtype,block_n", [

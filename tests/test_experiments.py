@@ -106,3 +106,13 @@ def test_host_cost_times_a_step(capsys):
     assert len(records) == 1 and records[0]["cpu_ms"] > 0 and records[0]["wall_ms"] >= records[0]["cpu_ms"]
     out = capsys.readouterr().out
     assert "| shape | dtype | CPU ms a step |" in out and "tottime" in out
+
+
+def test_atomic_ceiling_sums_exactly(capsys):
+    """The atomic-add kernel's buffer equals index_add_ of the same values, for every pixel pattern (290 rows:
+    a partial last tile)."""
+    ceiling = _load("atomic_ceiling")
+    records = ceiling.main(["--rows", "290", "--channels", "16", "--pixels", "30", "--width", "6", "--iters", "2",
+                            "--tiles", "8,8,4", "16,16,4"])
+    assert len(records) == 6 and all(r["max_rel_err"] == 0.0 for r in records)
+    assert "| pattern |" in capsys.readouterr().out

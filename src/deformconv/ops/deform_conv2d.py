@@ -203,13 +203,17 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
-    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and not fixed:
-        first = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG)
     cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
              Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
+    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and not fixed:
+        # packed segments: 32-row tiles, uncapped (v11, H200): hires-g8 fp16 1.355 -> 1.318 ms, bf16 1.356 ->
+        # 1.316, fp32 1.536 -> 1.544; (8,128,128,64,96,3,16) fp16 0.779 -> 0.546, fp32 0.831 -> 0.808. The
+        # former default, 64 rows capped, stays a candidate
+        cands[0] = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG)
+        cands.insert(0, Config(32, bn, min(bk, 32), 4))
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
         cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # no spills at the 5 bench shapes
-    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])
+    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])[:4]
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
@@ -458,21 +462,25 @@ def _pair_pointers(ptr, p00, cc, PIX):
 
 
 @triton.jit
-def _pair_mask(left_ok, right_ok):
-    """Which corners of a pair exist, [BM, NSEG, 2, 1], from the left and right corners' [BM, NSEG] masks."""
+def _pair_mask(left_ok, right_ok, c_ok=None):
+    """Which corners of a pair exist, [BM, NSEG, 2, 1], from the left and right corners' [BM, NSEG] masks;
+    [BM, NSEG, 2, SEG] with c_ok [NSEG, SEG], which channels exist (a partial chunk of a long segment)."""
     left = (tl.arange(0, 2) == 0)[None, None, :, None]
-    return tl.where(left, left_ok[:, :, None, None], right_ok[:, :, None, None])
+    ok = tl.where(left, left_ok[:, :, None, None], right_ok[:, :, None, None])
+    if c_ok is not None:
+        ok = ok & c_ok[None, :, None, :]
+    return ok
 
 
 @triton.jit
-def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX):
+def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, c_ok=None):
     """The 4 corners of each sample point as two pairs [BM, NSEG, 2, SEG] in the input's dtype: top (row y0:
-    x0, x0+1) and bottom (row y0+1, ROW elements further), zero outside the image or for masked-off segments.
-    In the offset-grouped layout (PIX = SEG) a pair is one run of 2*SEG elements, which two neighbouring
-    threads load from one cache line."""
+    x0, x0+1) and bottom (row y0+1, ROW elements further), zero outside the image, for masked-off segments
+    and for channels c_ok [NSEG, SEG] excludes (if given). In the offset-grouped layout (PIX = SEG) a pair is
+    one run of 2*SEG elements, which two neighbouring threads load from one cache line."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    top = tl.load(ptrs, mask=_pair_mask(v00, v01), other=0.0)
-    bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11), other=0.0)
+    top = tl.load(ptrs, mask=_pair_mask(v00, v01, c_ok), other=0.0)
+    bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11, c_ok), other=0.0)
     return top, bottom
 
 
@@ -701,12 +709,12 @@ def _scatter_add(ptrs, vals, mask, scale, FIXED: tl.constexpr):
 
 
 @triton.jit
-def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr):
+def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr, c_ok=None):
     """grad_input's adds at the 4 corners of each sample point, as _corner_pairs' two pairs: grad_col g
-    [BM, NSEG, SEG] (fp32) times the _pair_weights wt, wb [BM, NSEG, 2]."""
+    [BM, NSEG, SEG] (fp32) times the _pair_weights wt, wb [BM, NSEG, 2] (channels c_ok excludes skipped)."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01), scale, FIXED)
-    _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11), scale, FIXED)
+    _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01, c_ok), scale, FIXED)
+    _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11, c_ok), scale, FIXED)
 
 
 @triton.jit
@@ -816,7 +824,7 @@ def _deform_conv2d_bwd_data_kernel(
                     ch = (c_first // COG) * KK + tap
                     done = m_valid[:, None] & seg_ok[None, :]
                     # grad_mask and grad_offset from 4 channel sums (fewer operations per element: hires-g8's
-                    # kernel 1.86 -> 1.77 ms; the chunked loop below measured slower with them, so keeps its 3)
+                    # kernel 1.86 -> 1.77 ms)
                     if NEED_GMSK or NEED_GOFF:
                         top, bottom = _corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * PIX, PIX)
                         s00, sdx, sdy, sdy1 = _pair_sums(g3, top, bottom)
@@ -831,51 +839,56 @@ def _deform_conv2d_bwd_data_kernel(
                     if NEED_GIN:
                         wt, wb = _pair_weights(ly, lx, mv)
                         _scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * PIX, PIX, scale, FIXED_GIN)
-    else:  # --- taps x offset groups x segments x channel chunks ---
+    else:  # --- taps x offset groups x segments x channel chunks, each chunk's corners as pairs [BM, 1, 2, BK] ---
+        # (the packed loop's helpers with one segment a chunk: grad_col leaves the MMA layout twice a chunk;
+        # elementwise against 4 separately loaded corners, with 3 sums, Triton moved 10 [BM, BK] fp32 tiles
+        # between layouts a chunk. H200 fp16, the kernel: det-s3 1.323 -> 0.953 ms, det-s4 0.725 -> 0.604)
         for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for og in range(G):
                 ch = og * KK + tap
                 p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                hy = 1.0 - ly
-                hx = 1.0 - lx
-                g_y = tl.zeros_like(ly)
-                g_x = tl.zeros_like(ly)
-                g_m = tl.zeros_like(ly)
+                p00, v00, v01, v10, v11 = p00[:, None], v00[:, None], v01[:, None], v10[:, None], v11[:, None]
+                ly, lx, mv = ly[:, None], lx[:, None], mv[:, None]  # [BM, 1]: one segment
+                wt, wb = _pair_weights(ly, lx, mv)
+                s00 = tl.zeros((BLOCK_M, 1), tl.float32)  # the _pair_sums over all of the group's channels
+                sdx = tl.zeros((BLOCK_M, 1), tl.float32)
+                sdy = tl.zeros((BLOCK_M, 1), tl.float32)
+                sdy1 = tl.zeros((BLOCK_M, 1), tl.float32)
                 for s in range(COG // SEG):
                     c_lo = og * COG + s * SEG
                     gc = c_lo // CIN_G
                     w_row = ((gc * KK + tap) * CIN_G + (c_lo - gc * CIN_G)).to(tl.int64)
                     for c0 in range(0, SEG, BLOCK_K):
                         k_ok = c0 + offs_k < SEG
-                        cc = c_lo + c0 + offs_k
+                        cc = (c_lo + c0 + offs_k).to(tl.int64)[None, :]
+                        c_ok = None if EVEN_K else k_ok[None, :]
                         # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
                         gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + c0 + offs_k, k_ok, gc, m_valid, COUT_G,
                                          go_sc, GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-                        # --- corners, reductions over channels, scatter ---
-                        c00, c01, c10, c11 = _load_corners(x_ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-                        if NEED_GMSK:
-                            val = (hy * hx)[:, None] * c00 + (hy * lx)[:, None] * c01 + (ly * hx)[:, None] * c10 + (ly * lx)[:, None] * c11
-                            g_m += tl.sum(gcol * val, axis=1)
-                        gval = gcol * mv[:, None]
-                        if NEED_GOFF:
-                            g_y += tl.sum(gval * (hx[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
-                            g_x += tl.sum(gval * (hy[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                        g3 = tl.reshape(gcol, (BLOCK_M, 1, BLOCK_K))
+                        # --- corner pairs, sums over channels, scatter ---
+                        if NEED_GMSK or NEED_GOFF:
+                            top, bottom = _corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * CIN, CIN, c_ok)
+                            a00, adx, ady, ady1 = _pair_sums(g3, top, bottom)
+                            s00 += a00
+                            sdx += adx
+                            sdy += ady
+                            sdy1 += ady1
                         if NEED_GIN:
-                            ptrs = gin_ptr + p00[:, None] + cc[None, :]
-                            row = W * CIN
-                            _scatter_add(ptrs, gval * (hy * hx)[:, None], v00[:, None] & k_ok[None, :], scale, FIXED_GIN)
-                            _scatter_add(ptrs + CIN, gval * (hy * lx)[:, None], v01[:, None] & k_ok[None, :], scale, FIXED_GIN)
-                            _scatter_add(ptrs + row, gval * (ly * hx)[:, None], v10[:, None] & k_ok[None, :], scale, FIXED_GIN)
-                            _scatter_add(ptrs + row + CIN, gval * (ly * lx)[:, None], v11[:, None] & k_ok[None, :], scale, FIXED_GIN)
+                            _scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * CIN, CIN, scale, FIXED_GIN,
+                                           c_ok)
                 # --- this (tap, offset group) is complete: store its offset and mask gradients ---
+                g_m, g_y, g_x = _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+                done = m_valid[:, None]
                 if NEED_GOFF:
-                    gy_row = off_row + (2 * ch).to(tl.int64) * L
-                    tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=m_valid)
-                    tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=m_valid)
+                    gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
+                    tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
+                    tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
                 if NEED_GMSK:
-                    tl.store(gmsk_ptr + msk_row + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=m_valid)
+                    tl.store(gmsk_ptr + msk_row[:, None] + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty),
+                             mask=done)
 
 
 @triton.jit
