@@ -36,6 +36,10 @@ CONFIGS = {
     "og4-packed-segments": dict(n=1, cin=16, cout=8, h=5, w=6, kh=3, kw=3, offset_groups=4, padding=1),
     "groups2-og4-packed-tail": dict(n=1, cin=16, cout=4, h=4, w=5, kh=3, kw=3, groups=2, offset_groups=4, padding=1),
     "far-outside": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, offset_scale=20.0),
+    # long segments (the kernels' chunked loops): 48 channels = a full and a partial 32-wide chunk of the
+    # grad_input kernel, its channel sums carried across chunks; 2 offset groups of 32, whole chunks
+    "long-segment-partial-chunk": dict(n=1, cin=48, cout=4, h=4, w=5, kh=3, kw=3, padding=1),
+    "og2-long-segments": dict(n=1, cin=64, cout=4, h=3, w=4, kh=3, kw=3, offset_groups=2, padding=1),
 }
 
 GRAD_NAMES = ("input", "offset", "weight", "bias", "mask")
