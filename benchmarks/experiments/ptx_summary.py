@@ -6,13 +6,16 @@ run time (== 1 becomes a constant, multiples of 16 are marked divisible), pointe
 
 Static counts (instructions in the code, not executed ones): they show whether a tile load is vectorised or
 pipelined, not how long it takes. Also the registers per thread and the stack (spills) of the cubin Triton
-built, read with the cuobjdump that ships with Triton. Results of 2026-12-02 (triton 3.8) are quoted in
+built, and its K loop's SASS (instructions, barriers, shared-memory traffic: see k_loop), read with the
+cuobjdump that ships with Triton. To see what the device builds, put its Triton first on PYTHONPATH (e.g.
+``pip install --no-deps --target /tmp/tri36 triton==3.6.0``). Results of 2026-12-02 (triton 3.8) are quoted in
 benchmarks/NOTES.md.
 """
 import os
 import re
 import subprocess
 import tempfile
+from typing import Optional
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -24,7 +27,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 PATTERN = re.compile(r"(ld\.global[.\w:]*|st\.global[.\w:]*|atom\.global[.\w:]*|cp\.async[.\w:]*|wgmma\.mma_async)")
 
 
-def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: int, num_stages: int = 2):
+def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: int, num_stages: int = 2,
+                   maxnreg: Optional[int] = None):
     """pointers: name -> '*fp16'/'*fp32'; ints: name -> the value a run would pass."""
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(fn.arg_names):
@@ -41,11 +45,14 @@ def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: 
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        options["maxnreg"] = maxnreg
+    return triton.compile(src, target=TARGET, options=options)
 
 
-def resources(compiled) -> str:
-    """'regs=R stack=S' of the kernel's cubin (stack > 0: register spills), or '' without cuobjdump."""
+def _cuobjdump(compiled, flag: str) -> str:
+    """cuobjdump's output for the kernel's cubin ('' without the cuobjdump that ships with Triton)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     if not os.path.exists(tool):
         return ""
@@ -53,16 +60,44 @@ def resources(compiled) -> str:
         path = os.path.join(d, "kernel.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
-    m = re.search(r"REG:(\d+) STACK:(\d+)", out)
+        return subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+
+
+def resources(compiled) -> str:
+    """'regs=R stack=S' of the kernel's cubin (stack > 0: register spills), or '' without cuobjdump."""
+    m = re.search(r"REG:(\d+) STACK:(\d+)", _cuobjdump(compiled, "-res-usage"))
     return f"regs={m.group(1)} stack={m.group(2)} " if m else ""
+
+
+SASS_KINDS = ("BAR", "STS", "LDS", "LDSM", "SHFL", "LDG", "LDGSTS", "REDG", "HGMMA")
+
+
+def k_loop(compiled) -> str:
+    """The K loop's SASS: the innermost loop (a backward branch) holding a tensor-core instruction, as
+    'kloop=N instr' plus counts of barriers, shared-memory stores/loads, shuffles, global loads/copies,
+    reductions and wgmma (a barrier and a shared round trip per layout conversion show here); '' if none."""
+    code = []
+    for line in _cuobjdump(compiled, "-sass").splitlines():
+        m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", line)
+        if m:
+            target = re.match(r"\s+(0x[0-9a-f]+)", m.group(3)) if m.group(2) == "BRA" else None
+            code.append((int(m.group(1), 16), m.group(2), int(target.group(1), 16) if target else None))
+    best = None
+    for addr, _, target in code:
+        if target is not None and target < addr:
+            body = [op for a, op, _ in code if target <= a <= addr]
+            if any(op.startswith(("HGMMA", "HMMA")) for op in body) and (best is None or len(body) < len(best)):
+                best = body
+    if best is None:
+        return ""
+    return f"kloop={len(best)} instr " + " ".join(f"{k}={sum(op == k for op in best)}" for k in SASS_KINDS) + " "
 
 
 def counts(compiled) -> str:
     found = {}
     for m in PATTERN.findall(compiled.asm["ptx"]):
         found[m] = found.get(m, 0) + 1
-    return (resources(compiled) + f"shared={compiled.metadata.shared} "
+    return (resources(compiled) + k_loop(compiled) + f"shared={compiled.metadata.shared} "
             + " ".join(f"{k}={v}" for k, v in sorted(found.items())))
 
 
