@@ -4,6 +4,7 @@ so a renamed helper or a new constexpr would otherwise break them unnoticed): a 
 import importlib.util
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -66,7 +67,7 @@ def test_backward_parts_agree_with_the_full_backward(capsys, monkeypatch):
 
 def test_ptx_summary_compiles_every_kernel_for_sm90():
     """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs,
-    and the counts show tensor-core MMAs and the grad_input kernel's vector atomics. In a subprocess: it needs
+    and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in SASS. In a subprocess: it needs
     the compiled (not interpreted) kernels, and this process may run under TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
@@ -79,6 +80,8 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
     assert len(lines) == 3, proc.stdout
     assert all("wgmma.mma_async" in line for line in lines), lines
     assert "atom.global.gpu.relaxed.add.v4.f32" in lines[1], lines[1]
+    if all("regs=" in line for line in lines):  # cuobjdump found: the K loop's SASS is counted too
+        assert all(re.search(r"kloop=\d+ instr .*HGMMA=[1-9]", line) for line in lines), lines
 
 
 def test_backward_chunks_agree_with_the_whole_batch(capsys):
