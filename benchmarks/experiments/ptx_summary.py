@@ -8,9 +8,8 @@ Static counts (instructions in the code, not executed ones): they show whether a
 pipelined, not how long it takes. Also the registers per thread and the stack (spills) of the cubin Triton
 built, and its K loop's SASS (instructions, barriers, shared-memory traffic: see k_loop), read with the
 cuobjdump that ships with Triton. To see what the device builds, put its Triton first on PYTHONPATH (e.g.
-``pip install --no-deps --target /tmp/tri36 triton==3.6.0``); its register counts may still differ from the
-device's JIT builds (NOTES.md, v12): compare variants. Results of 2026-12-02 (triton 3.8) are quoted in
-benchmarks/NOTES.md.
+``pip install --no-deps --target /tmp/tri36 triton==3.6.0``): its register counts matched Nsight's on the
+device (NOTES.md, v12). Results of 2026-12-02 (triton 3.8) are quoted in benchmarks/NOTES.md.
 """
 import os
 import re
