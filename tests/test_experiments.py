@@ -67,8 +67,9 @@ def test_backward_parts_agree_with_the_full_backward(capsys, monkeypatch):
 
 def test_ptx_summary_compiles_every_kernel_for_sm90():
     """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs,
-    and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in SASS. In a subprocess: it needs
-    the compiled (not interpreted) kernels, and this process may run under TRITON_INTERPRET=1."""
+    and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in
+    SASS. In a subprocess: it needs the compiled (not interpreted) kernels, and this process may run under
+    TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
     code = "import ptx_summary; ptx_summary.main(shapes=('hires-g8',), tilings=(True,))"

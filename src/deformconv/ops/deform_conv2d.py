@@ -209,7 +209,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
         # packed segments: 32-row tiles, uncapped (v11, H200): hires-g8 fp16 1.355 -> 1.318 ms, bf16 1.356 ->
         # 1.316, fp32 1.536 -> 1.544; (8,128,128,64,96,3,16) fp16 0.779 -> 0.546, fp32 0.831 -> 0.808. The
         # former default, 64 rows capped, stays a candidate
-        cands[0] = dataclasses.replace(first, maxnreg=DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG)
+        cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
+        cands[0] = dataclasses.replace(first, maxnreg=cap)
         cands.insert(0, Config(32, bn, min(bk, 32), 4))
     if fixed:  # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 8 warps
         cands = [Config(c.block_m, min(c.block_n, 128), 16, 8) for c in cands]  # no spills at the 5 bench shapes
