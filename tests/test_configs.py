@@ -32,12 +32,12 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
 @pytest.mark.parametrize("shape,dtype,fwd_cap,data_cap,weight_cap", [
     ("det-s3", torch.float16, None, None, None), ("det-s4", torch.float16, 128, None, 128),
     ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, None, 168),
-    ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, None, None, None),
-    ("cls-14", torch.float32, None, None, 128),
+    ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, 128, None, None),
+    ("cls-14", torch.float32, 128, None, 128), ("det-s3", torch.float32, None, None, None),
 ])
 def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
     """The default configs cap registers exactly where the H200 sweeps measured a gain (half dtypes; see the
-    comment above FWD_WIDE_MAXNREG): the wide half-precision forward's 64x256 tile, the packed and wide
+    comment above FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32: with the K-major weight), the packed and wide
     grad_weight kernels (fp32 det-s4's not measured); not det-s3, not the grad_input kernel (packed segments
     take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's grad_input kernel."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
@@ -51,6 +51,36 @@ def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_ca
     if shape == "hires-g8":
         first, second = deform_ops._bwd_data_candidates(geo, seg, dtype, cpu)[:2]
         assert (first.block_m, second.block_m, second.maxnreg) == (32, 64, 128 if dtype != torch.float32 else 168)
+
+
+@pytest.mark.parametrize("shape,dtype,k_major", [
+    ("det-s3", torch.float32, True), ("cls-14", torch.float32, True), ("hires-g8", torch.float32, False),
+    ("det-s3", torch.float16, False), ("det-s4", torch.bfloat16, False),
+])
+def test_forward_reads_the_weight_k_major_in_fp32_without_packed_segments(shape, dtype, k_major):
+    """fp32's TF32 wgmma wants its B tile K-major (weight_k_major); not with packed segments (measured slower), and
+    16-bit dots read either order. Its fp32 candidates then take 16-wide chunks."""
+    geo = {"det-s3": _geo(128, 128, h=100, w=152), "cls-14": _geo(n=64, h=14, w=14),
+           "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128), "det-s4": _geo()}[shape]
+    seg = deform_ops.segment_length(geo)
+    assert deform_ops.weight_k_major(geo, seg, dtype) == k_major
+    assert (deform_ops._fwd_candidates(geo, seg, dtype)[0].block_k == 16) == k_major
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["groups-1", "groups-2"])
+@pytest.mark.parametrize("k_major", [False, True], ids=["cin-cout", "cout-cin"])
+def test_pack_weight_layouts(groups, k_major):
+    """pack_weight: [groups, kh*kw, Cin_g, Cout_g], or K-major [groups, kh*kw, Cout_g, Cin_g]; element by element."""
+    w = torch.randn(6, 5, 3, 2, dtype=torch.float64)  # Cout 6, Cin_g 5, 3x2 taps
+    packed = deform_ops.pack_weight(w, groups, k_major)
+    cout_g = 6 // groups
+    assert packed.is_contiguous() and packed.shape == ((groups, 6, cout_g, 5) if k_major else (groups, 6, 5, cout_g))
+    for g in range(groups):
+        for tap in range(6):
+            for o in range(cout_g):
+                for c in range(5):
+                    got = packed[g, tap, o, c] if k_major else packed[g, tap, c, o]
+                    assert got == w[g * cout_g + o, c, tap // 2, tap % 2]
 
 
 @pytest.mark.parametrize("shape,dtype,block_n", [

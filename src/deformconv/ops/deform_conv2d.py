@@ -172,7 +172,17 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    if cout_g >= 256 and dtype != torch.float32:
+    if weight_k_major(geo, seg, dtype):
+        # fp32 with the K-major weight (v13): 16-wide chunks, 3 stages. CUDA graph, ms: det-s3 (128,128,16,4,3)
+        # 0.440 vs (128,128,32,4) 0.508; 64-row tiles capped at 128 registers: det-s4 0.290 vs (128,256,32,8) 0.361
+        # ((128,256,16,8,3) 0.298), det-s5 0.269 vs 0.325, cls-14 0.141 vs 0.162; 4 stages, 8 warps at 128x128,
+        # uncapped 64-row tiles and 32-wide chunks in 3 stages were slower
+        if cout_g >= 256:
+            cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG), Config(128, 256, 16, 8, num_stages=3),
+                     Config(128, 256, bk, 8)]
+        else:
+            cands = [Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
+    elif cout_g >= 256 and dtype != torch.float32:
         # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
         # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
         # uncapped they are slower (0.240 at det-s4), 2 or 4 stages too (0.190 / 0.247)
@@ -180,7 +190,7 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
         if not _short_segments(geo, seg, "fwd"):
             cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
-    elif cout_g >= 256:  # fp32 (2 stages: 3 do not fit in shared memory): det-s4 0.738 -> 0.673 ms, -7 to -10%
+    elif cout_g >= 256:  # fp32 with packed segments: 2 stages (3 do not fit); chosen at det-s4 before v13 (-7 to -10%)
         cands = [Config(128, 256, bk, 8), Config(128, bn, bk, 4)]
     else:
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
@@ -319,6 +329,17 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     images = math.floor(min(workspace_budget() * batch * cin * h * w * elem / per_image, batch))
     images = max(images, _ceil_div(MIN_CHUNK_PROGRAMS, _ceil_div(ho * wo, 64)))
     return max(1, min(batch, images))
+
+
+def weight_k_major(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> bool:
+    """Whether the forward reads the weight packed K-major (pack_weight): fp32 without packed segments. Hopper's
+    TF32 wgmma takes its B operand from shared memory K-major only; from the [Cin_g, Cout_g] packing Triton
+    transposes every B tile on its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk
+    instead of 8 16-byte ones). Measured on the H200 (benchmarks/NOTES.md, v13), fp32 forward, CUDA graph:
+    det-s3 0.852 -> 0.509 ms, det-s4 0.674 -> 0.361, det-s5 0.634 -> 0.330, cls-14 0.334 -> 0.167; but the packed
+    loop (hires-g8) 0.815 -> 1.147 (it spills), and 16-bit wgmma reads either order (fp16 det-s3 0.294 -> 0.325,
+    the other shapes within 3%)."""
+    return dtype == torch.float32 and not _short_segments(geo, seg, "fwd")
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -574,9 +595,13 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
 
 
 @triton.jit
-def _weight_tile(w_ptr, rows, k_ok, n_ok, offs_n, COUT_G, EVEN_K: tl.constexpr):
-    """B tile [BK, BN] of the packed weight: rows (int64 [BK], k_ok which exist) x output channels offs_n."""
-    ptrs = w_ptr + rows[:, None] * COUT_G + offs_n[None, :]
+def _weight_tile(w_ptr, rows, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr):
+    """B tile [BK, BN] of the packed weight (pack_weight): rows (int64 [BK], k_ok which exist) of the [groups*KK*Cin_g]
+    input-channel rows, all in the conv group and tap whose rows start at tap_row (int64), x output channels offs_n."""
+    if K_MAJOR:  # [groups, KK, Cout_g, Cin_g]
+        ptrs = w_ptr + tap_row * COUT_G + (rows - tap_row)[:, None] + offs_n[None, :] * CIN_G
+    else:  # [groups, KK, Cin_g, Cout_g]
+        ptrs = w_ptr + rows[:, None] * COUT_G + offs_n[None, :]
     if EVEN_K:
         b = tl.load(ptrs, mask=n_ok[None, :], other=0.0)
     else:
@@ -612,7 +637,7 @@ def _deform_conv2d_fwd_kernel(
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
-    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
+    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if W_K_MAJOR
     b_ptr,        # bias [Cout]                              (read only if HAS_BIAS)
     out_ptr,      # output [N, Cout, Ho, Wo], strides below
     # sizes
@@ -628,6 +653,7 @@ def _deform_conv2d_fwd_kernel(
     NSEG: tl.constexpr,                # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
     HAS_MASK: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    W_K_MAJOR: tl.constexpr,           # the packed weight's input channels contiguous (see weight_k_major)
     PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -669,8 +695,9 @@ def _deform_conv2d_fwd_kernel(
             a = tl.reshape(_blend_pairs(wt, wb, top, bottom), (BLOCK_M, BLOCK_K))
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
-            b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), c0 + offs_k < CIN_G, n_ok,
-                             offs_n, COUT_G, EVEN_K)
+            tap_row = ((gc * KK + tap) * CIN_G).to(tl.int64)
+            b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), tap_row, c0 + offs_k < CIN_G,
+                             n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             wt, wb, top, bottom = nwt, nwb, ntop, nbottom
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
@@ -682,12 +709,14 @@ def _deform_conv2d_fwd_kernel(
                 p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
                 w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+                tap_row = ((gc * KK + tap) * CIN_G).to(tl.int64)
                 w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
                 for c0 in range(0, SEG, BLOCK_K):
                     k_ok = c0 + offs_k < SEG
                     c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
                     a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-                    b = _weight_tile(w_ptr, w_row + c0 + offs_k, k_ok, n_ok, offs_n, COUT_G, EVEN_K)
+                    b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR,
+                                     EVEN_K)
                     acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
 
     # --- epilogue: bias, store in the output's layout ---
@@ -1105,10 +1134,12 @@ def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def pack_weight(weight: Tensor, groups: int) -> Tensor:
-    """[Cout, Cin_g, kh, kw] -> [groups, kh*kw, Cin_g, Cout_g] contiguous (tap-major rows of the B tile)."""
+def pack_weight(weight: Tensor, groups: int, k_major: bool = False) -> Tensor:
+    """[Cout, Cin_g, kh, kw] -> [groups, kh*kw, Cin_g, Cout_g] contiguous (tap-major rows of the B tile), or
+    with k_major [groups, kh*kw, Cout_g, Cin_g] (each output channel's input channels contiguous)."""
     cout, cin_g, kh, kw = weight.shape
-    return weight.reshape(groups, cout // groups, cin_g, kh * kw).permute(0, 3, 2, 1).contiguous()
+    w = weight.reshape(groups, cout // groups, cin_g, kh * kw)
+    return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
 
 
 def _unpack_weight_grad(gw: Tensor, weight: Tensor, groups: int) -> Tensor:
@@ -1203,11 +1234,9 @@ class _Launch:
             self.runner = compiled[self.grid]
 
 
-def _operands(input, offset, weight, mask):
-    """What the kernels read besides the input and grad_out: offset and mask contiguous (a missing mask stays
-    None) and the weight repacked in the input's dtype."""
-    msk = mask.contiguous() if mask is not None else None
-    return offset.contiguous(), msk, pack_weight(weight.to(input.dtype), input.shape[1] // weight.shape[1])
+def _operands(offset: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    """Offset and mask as the kernels read them: contiguous (a missing mask stays None)."""
+    return offset.contiguous(), mask.contiguous() if mask is not None else None
 
 
 def deform_conv2d_forward(
@@ -1216,17 +1245,18 @@ def deform_conv2d_forward(
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
     # --- check and prepare ---
-    off, msk, wp = _operands(input, offset, weight, mask)
-    msk = msk if msk is not None else off  # the mask pointer falls back to the offset; never read then
-    b = bias.contiguous() if bias is not None else wp
+    off, msk = _operands(offset, mask)
+    msk = msk if msk is not None else off  # the mask and bias pointers fall back to the offset; never read then
+    b = bias.contiguous() if bias is not None else off
     key = _plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (input, off, msk, b), bias is None)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
         seg = segment_length(geo)
         plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
-                    grouped=grouped_input(geo, seg))
+                    grouped=grouped_input(geo, seg), k_major=weight_k_major(geo, seg, input.dtype))
     geo, seg = plan["geo"], plan["seg"]
+    wp = pack_weight(weight.to(input.dtype), geo.groups, plan["k_major"])
     x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
@@ -1241,7 +1271,7 @@ def deform_conv2d_forward(
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
-                    DOT_PRECISION=_dot_precision(input.dtype), PER_IMAGE=per_image,
+                    DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
                     GROUPED=plan["grouped"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, wp, b, out)
@@ -1291,8 +1321,9 @@ def deform_conv2d_backward(
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
     need_mask = bool(need_mask and mask is not None)
     grad_out = grad_out.to(input.dtype)
-    off, msk, wp = _operands(input, offset, weight, mask)
+    off, msk = _operands(offset, mask)
     groups = input.shape[1] // weight.shape[1]
+    wp = pack_weight(weight.to(input.dtype), groups)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
     scales = None
     if fixed_gin:  # one scale for all chunks, from the whole grad_out
