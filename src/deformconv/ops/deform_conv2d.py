@@ -14,7 +14,8 @@ Layouts: the input is read channels-last (NHWC), so each bilinear corner is a co
 where packed segments are whole offset groups, offset-grouped instead ([N, G, H, W, Cin/G], see
 grouped_input), so that a corner pair is one run. Offset and mask are read NCHW (consecutive positions are
 consecutive addresses); the weight is repacked once per call to [groups, kh*kw, Cin/groups, Cout/groups]
-(tap-major B rows). Offsets into the input and gradient buffers are int64.
+(tap-major B rows), or for the fp32 forward to [groups, kh*kw, Cout/groups, Cin/groups] (TF32 wgmma reads its B
+tile K-major only: weight_k_major). Offsets into the input and gradient buffers are int64.
 
 The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
 
