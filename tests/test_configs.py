@@ -36,8 +36,8 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
     ("cls-14", torch.float32, 128, None, 128), ("det-s3", torch.float32, None, None, None),
 ])
 def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
-    """The default configs cap registers exactly where the H200 sweeps measured a gain (half dtypes; see the
-    comment above FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32: with the K-major weight), the packed and wide
+    """The default configs cap registers exactly where the H200 sweeps measured a gain (see the comment above
+    FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32 with the K-major weight too), the packed and wide
     grad_weight kernels (fp32 det-s4's not measured); not det-s3, not the grad_input kernel (packed segments
     take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's grad_input kernel."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),

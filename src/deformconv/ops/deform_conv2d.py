@@ -179,8 +179,8 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         # ((128,256,16,8,3) 0.298), det-s5 0.269 vs 0.325, cls-14 0.141 vs 0.162; 4 stages, 8 warps at 128x128,
         # uncapped 64-row tiles and 32-wide chunks in 3 stages were slower
         if cout_g >= 256:
-            cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG), Config(128, 256, 16, 8, num_stages=3),
-                     Config(128, 256, bk, 8)]
+            cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG),
+                     Config(128, 256, 16, 8, num_stages=3), Config(128, 256, bk, 8)]
         else:
             cands = [Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
     elif cout_g >= 256 and dtype != torch.float32:
@@ -597,8 +597,9 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
 
 @triton.jit
 def _weight_tile(w_ptr, rows, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr):
-    """B tile [BK, BN] of the packed weight (pack_weight): rows (int64 [BK], k_ok which exist) of the [groups*KK*Cin_g]
-    input-channel rows, all in the conv group and tap whose rows start at tap_row (int64), x output channels offs_n."""
+    """B tile [BK, BN] of the packed weight (pack_weight): rows (int64 [BK], k_ok which exist) of its
+    groups*KK*Cin_g input-channel rows, all in the conv group and tap whose rows start at tap_row (int64), x output
+    channels offs_n."""
     if K_MAJOR:  # [groups, KK, Cout_g, Cin_g]
         ptrs = w_ptr + tap_row * COUT_G + (rows - tap_row)[:, None] + offs_n[None, :] * CIN_G
     else:  # [groups, KK, Cin_g, Cout_g]
