@@ -599,7 +599,8 @@ def _packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_o
 def _weight_tile(w_ptr, rows, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, K_MAJOR: tl.constexpr, EVEN_K: tl.constexpr):
     """B tile [BK, BN] of the packed weight (pack_weight): rows (int64 [BK], k_ok which exist) of its
     groups*KK*Cin_g input-channel rows, all in the conv group and tap whose rows start at tap_row (int64), x output
-    channels offs_n."""
+    channels offs_n. (Both row forms are passed so that the N-major build keeps v11's exact code: deriving rows
+    from tap_row changed its register allocation, and bf16 hires-g8 spilled; benchmarks/NOTES.md, v13.)"""
     if K_MAJOR:  # [groups, KK, Cout_g, Cin_g]
         ptrs = w_ptr + tap_row * COUT_G + (rows - tap_row)[:, None] + offs_n[None, :] * CIN_G
     else:  # [groups, KK, Cin_g, Cout_g]
