@@ -698,8 +698,8 @@ def _deform_conv2d_fwd_kernel(
             a = tl.reshape(_blend_pairs(wt, wb, top, bottom), (BLOCK_M, BLOCK_K))
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
-            tap_row = ((gc * KK + tap) * CIN_G).to(tl.int64)
-            b = _weight_tile(w_ptr, ((gc * KK + tap) * CIN_G + c0 + offs_k).to(tl.int64), tap_row, c0 + offs_k < CIN_G,
+            row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
+            b = _weight_tile(w_ptr, (row0 + c0 + offs_k).to(tl.int64), row0.to(tl.int64), c0 + offs_k < CIN_G,
                              n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             wt, wb, top, bottom = nwt, nwb, ntop, nbottom
@@ -712,8 +712,9 @@ def _deform_conv2d_fwd_kernel(
                 p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
                 w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-                tap_row = ((gc * KK + tap) * CIN_G).to(tl.int64)
-                w_row = ((gc * KK + tap) * CIN_G + s * SEG).to(tl.int64)
+                row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
+                tap_row = row0.to(tl.int64)
+                w_row = (row0 + s * SEG).to(tl.int64)
                 for c0 in range(0, SEG, BLOCK_K):
                     k_ok = c0 + offs_k < SEG
                     c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
