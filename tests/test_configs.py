@@ -32,14 +32,15 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
 @pytest.mark.parametrize("shape,dtype,fwd_cap,data_cap,weight_cap", [
     ("det-s3", torch.float16, None, None, None), ("det-s4", torch.float16, 128, None, 128),
     ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, None, 168),
-    ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, 128, None, None),
-    ("cls-14", torch.float32, 128, None, 128), ("det-s3", torch.float32, None, None, None),
+    ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, 128, None, 128),
+    ("cls-14", torch.float32, 128, None, 128), ("det-s3", torch.float32, None, None, 168),
 ])
 def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
     """The default configs cap registers exactly where the H200 sweeps measured a gain (see the comment above
     FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32 with the K-major weight too), the packed and wide
-    grad_weight kernels (fp32 det-s4's not measured); not det-s3, not the grad_input kernel (packed segments
-    take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's grad_input kernel."""
+    grad_weight kernels, fp32's narrow (unpipelined) grad_weight tile; not det-s3's forward, not the grad_input
+    kernel (packed segments take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's
+    grad_input kernel."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
            "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
     seg = deform_ops.segment_length(geo)
@@ -54,17 +55,20 @@ def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_ca
 
 
 @pytest.mark.parametrize("shape,dtype,k_major", [
-    ("det-s3", torch.float32, True), ("cls-14", torch.float32, True), ("hires-g8", torch.float32, False),
-    ("det-s3", torch.float16, False), ("det-s4", torch.bfloat16, False),
+    ("det-s3", torch.float32, True), ("cls-14", torch.float32, True), ("hires-g8", torch.float32, True),
+    ("det-s3", torch.float16, False), ("det-s4", torch.bfloat16, False), ("hires-g8", torch.float16, False),
 ])
-def test_forward_reads_the_weight_k_major_in_fp32_without_packed_segments(shape, dtype, k_major):
-    """fp32's TF32 wgmma wants its B tile K-major (weight_k_major); not with packed segments (measured slower), and
-    16-bit dots read either order. Its fp32 candidates then take 16-wide chunks."""
+def test_forward_reads_the_weight_k_major_in_fp32(shape, dtype, k_major):
+    """fp32's TF32 wgmma wants its B tile K-major (weight_k_major); 16-bit dots read either order (K-major
+    measured slower). Its fp32 candidates then take 16-wide chunks, with packed segments in 64-row tiles."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "cls-14": _geo(n=64, h=14, w=14),
            "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128), "det-s4": _geo()}[shape]
     seg = deform_ops.segment_length(geo)
     assert deform_ops.weight_k_major(geo, seg, dtype) == k_major
-    assert (deform_ops._fwd_candidates(geo, seg, dtype)[0].block_k == 16) == k_major
+    first = deform_ops._fwd_candidates(geo, seg, dtype)[0]
+    assert (first.block_k == 16) == k_major
+    if k_major and shape == "hires-g8":
+        assert (first.block_m, first.num_stages) == (64, 3)
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["groups-1", "groups-2"])

@@ -162,6 +162,7 @@ DATA_PACKED_MAXNREG = 128
 DATA_PACKED_FP32_MAXNREG = 168
 WEIGHT_PACKED_MAXNREG = 168
 WEIGHT_WIDE_MAXNREG = 128
+WEIGHT_NARROW_FP32_MAXNREG = 168
 
 
 # Candidates per kernel, the heuristic default first (chosen from H200 measurements, see
@@ -178,9 +179,13 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         # 0.440 vs (128,128,32,4) 0.508; 64-row tiles capped at 128 registers: det-s4 0.290 vs (128,256,32,8) 0.361
         # ((128,256,16,8,3) 0.298), det-s5 0.269 vs 0.325, cls-14 0.141 vs 0.162; 4 stages, 8 warps at 128x128,
         # uncapped 64-row tiles and 32-wide chunks in 3 stages were slower
+        # packed segments (v14): hires-g8 0.807 (N-major, 128,64,32,4) -> 0.591 ms at (64,64,16,4,3); 4 stages equal,
+        # 2 stages 0.736, 32 rows 0.601, 128 rows 0.641, 8 warps 0.787, 32-wide chunks 0.834, capped at 168 0.707
         if cout_g >= 256:
             cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG),
                      Config(128, 256, 16, 8, num_stages=3), Config(128, 256, bk, 8)]
+        elif _short_segments(geo, seg, "fwd"):
+            cands = [Config(64, bn, 16, 4, num_stages=3), Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
         else:
             cands = [Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
     elif cout_g >= 256 and dtype != torch.float32:
@@ -191,8 +196,6 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
         if not _short_segments(geo, seg, "fwd"):
             cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
-    elif cout_g >= 256:  # fp32 with packed segments: 2 stages (3 do not fit); chosen at det-s4 before v13 (-7 to -10%)
-        cands = [Config(128, 256, bk, 8), Config(128, bn, bk, 4)]
     else:
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
@@ -231,10 +234,13 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
-    m = geo.batch * geo.out_h * geo.out_w
     half = dtype != torch.float32
     # (block_m, block_n, block_k, warps, stages, register cap)
-    shapes = [(64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None), (64, _pow2_clamp(cout_g, 16, 256), bk, 8, 2, None),
+    narrow = (64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None)
+    if not half:
+        # fp32, unpipelined and capped at 168 (v14): det-s3 0.717 -> 0.648 ms (2 stages capped: 0.715-0.724)
+        narrow = narrow[:4] + (1, WEIGHT_NARROW_FP32_MAXNREG)
+    shapes = [narrow, (64, _pow2_clamp(cout_g, 16, 256), bk, 8, 2, None),
               (128, _pow2_clamp(cout_g, 16, 128), min(bk, 32), 4, 2, None),
               (128, _pow2_clamp(cout_g, 16, 128), bk, 8, 2, None)]
     if _short_segments(geo, seg, "bwd_weight"):
@@ -246,9 +252,9 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     elif cout_g >= 256:
         # wide: one 256-column tile (the A tile sampled once per 256 output channels), capped at 128 registers:
         # fp16 det-s4 0.341 -> 0.260 ms; det-s5 0.403 -> 0.286 and cls-14 0.205 -> 0.174 against their former
-        # 128x128 tile; fp32 det-s5 0.780 -> 0.618, cls-14 0.497 -> 0.330 against 64x128 (benchmarks/NOTES.md).
-        # fp32 with many positions (det-s4) runs it uncapped: the cap not measured there
-        shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG if half or m < 16384 else None,))
+        # 128x128 tile; fp32 det-s5 0.780 -> 0.618, cls-14 0.497 -> 0.330 against 64x128, det-s4 0.894 -> 0.643
+        # against uncapped (v14; one stage 0.741, capped at 168 0.822) (benchmarks/NOTES.md)
+        shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG,))
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
@@ -333,14 +339,14 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
 
 
 def weight_k_major(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> bool:
-    """Whether the forward reads the weight packed K-major (pack_weight): fp32 without packed segments. Hopper's
-    TF32 wgmma takes its B operand from shared memory K-major only; from the [Cin_g, Cout_g] packing Triton
-    transposes every B tile on its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk
-    instead of 8 16-byte ones). Measured on the H200 (benchmarks/NOTES.md, v13), fp32 forward, CUDA graph:
-    det-s3 0.852 -> 0.509 ms, det-s4 0.674 -> 0.361, det-s5 0.634 -> 0.330, cls-14 0.334 -> 0.167; but the packed
-    loop (hires-g8) 0.815 -> 1.147 (it spills), and 16-bit wgmma reads either order (fp16 det-s3 0.294 -> 0.325,
-    the other shapes within 3%)."""
-    return dtype == torch.float32 and not _short_segments(geo, seg, "fwd")
+    """Whether the forward reads the weight packed K-major (pack_weight): fp32. Hopper's TF32 wgmma takes its B
+    operand from shared memory K-major only; from the [Cin_g, Cout_g] packing Triton transposes every B tile on
+    its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk instead of 8 16-byte ones).
+    Measured on the H200 (benchmarks/NOTES.md, v13), fp32 forward, CUDA graph: det-s3 0.852 -> 0.509 ms, det-s4
+    0.674 -> 0.361, det-s5 0.634 -> 0.330, cls-14 0.334 -> 0.167; the packed loop (hires-g8) with 16-wide chunks
+    and 64-row tiles (v14) 0.807 -> 0.591 (with v12's 128x64x32 tile it spilled: 1.147). 16-bit wgmma reads either
+    order (fp16 det-s3 0.294 -> 0.325 K-major, the other shapes within 3%)."""
+    return dtype == torch.float32
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
