@@ -344,7 +344,7 @@ def weight_k_major(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> bool:
     its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk instead of 8 16-byte ones).
     Measured on the H200 (benchmarks/NOTES.md, v13), fp32 forward, CUDA graph: det-s3 0.852 -> 0.509 ms, det-s4
     0.674 -> 0.361, det-s5 0.634 -> 0.330, cls-14 0.334 -> 0.167; the packed loop (hires-g8) with 16-wide chunks
-    and 64-row tiles (v14) 0.807 -> 0.591 (with v12's 128x64x32 tile it spilled: 1.147). 16-bit wgmma reads either
+    and 64-row tiles (v14) 0.807 -> 0.591 (with the 128x64x32 tile it spilled: 1.147, v13). 16-bit wgmma reads either
     order (fp16 det-s3 0.294 -> 0.325 K-major, the other shapes within 3%)."""
     return dtype == torch.float32
 
