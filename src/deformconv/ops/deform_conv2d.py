@@ -174,7 +174,7 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    if weight_k_major(geo, seg, dtype):
+    if weight_k_major(dtype):
         # fp32 with the K-major weight (v13): 16-wide chunks, 3 stages. CUDA graph, ms: det-s3 (128,128,16,4,3)
         # 0.440 vs (128,128,32,4) 0.508; 64-row tiles capped at 128 registers: det-s4 0.290 vs (128,256,32,8) 0.361
         # ((128,256,16,8,3) 0.298), det-s5 0.269 vs 0.325, cls-14 0.141 vs 0.162; 4 stages, 8 warps at 128x128,
@@ -188,7 +188,7 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
             cands = [Config(64, bn, 16, 4, num_stages=3), Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
         else:
             cands = [Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
-    elif cout_g >= 256 and dtype != torch.float32:
+    elif cout_g >= 256:  # fp16/bf16 (fp32 took the K-major branch)
         # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
         # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
         # uncapped they are slower (0.240 at det-s4), 2 or 4 stages too (0.190 / 0.247)
@@ -342,10 +342,11 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     return max(1, min(batch, images))
 
 
-def weight_k_major(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> bool:
-    """Whether the forward reads the weight packed K-major (pack_weight): fp32. Hopper's TF32 wgmma takes its B
-    operand from shared memory K-major only; from the [Cin_g, Cout_g] packing Triton transposes every B tile on
-    its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk instead of 8 16-byte ones).
+def weight_k_major(dtype: torch.dtype) -> bool:
+    """Whether the forward reads the weight packed K-major (pack_weight): fp32, whatever the geometry. Hopper's
+    TF32 wgmma takes its B operand from shared memory K-major only; from the [Cin_g, Cout_g] packing Triton
+    transposes every B tile on its way into shared memory with 4-byte copies (det-s3: 32 a thread per K chunk
+    instead of 8 16-byte ones).
     Measured on the H200 (benchmarks/NOTES.md, v13), fp32 forward, CUDA graph: det-s3 0.852 -> 0.509 ms, det-s4
     0.674 -> 0.361, det-s5 0.634 -> 0.330, cls-14 0.334 -> 0.167; the packed loop (hires-g8) with 16-wide chunks
     and 64-row tiles (v14) 0.807 -> 0.591 (with the 128x64x32 tile it spilled: 1.147, v13). 16-bit wgmma reads either
@@ -1268,7 +1269,7 @@ def deform_conv2d_forward(
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
         seg = segment_length(geo)
         plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
-                    grouped=grouped_input(geo, seg), k_major=weight_k_major(geo, seg, input.dtype))
+                    grouped=grouped_input(geo, seg), k_major=weight_k_major(input.dtype))
     geo, seg = plan["geo"], plan["seg"]
     wp = pack_weight(weight.to(input.dtype), geo.groups, plan["k_major"])
     x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
