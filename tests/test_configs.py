@@ -118,19 +118,47 @@ def test_grad_input_kernel_splits_taps_when_tiles_are_fewer_than_multiprocessors
         assert {c.split for c in deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cpu"), fixed)} == {1}
 
 
-@pytest.mark.parametrize("shape,block", [("det-s3", (64, 128)), ("det-s4", (64, 128)), ("det-s5", (64, 128)),
-                                          ("hires-g8", (64, 64))])
-def test_deterministic_grad_input_kernel_takes_16_wide_chunks_in_4_warps(shape, block):
-    """Deterministic mode's grad_input kernel (int64 fixed-point adds): 16-wide chunks in 4 warps first (v14: about
-    twice as fast as v7's 8 warps, which stay a candidate), no register cap, no packed 32-row tiles."""
+@pytest.mark.parametrize("shape,dtype,block", [
+    ("det-s3", torch.float16, (64, 128, 16, 4)), ("det-s4", torch.float16, (64, 128, 16, 4)),
+    ("cls-14", torch.float32, (64, 128, 16, 4)), ("det-s5", torch.float16, (64, 128, 32, 8)),
+    ("det-s5", torch.float32, (64, 128, 32, 8)), ("hires-g8", torch.float16, (32, 64, 32, 4)),
+    ("hires-g8", torch.float32, (32, 64, 32, 4)),
+])
+def test_deterministic_grad_input_kernel_configs(shape, dtype, block):
+    """Deterministic mode's grad_input kernel (int64 fixed-point adds, H200 sweeps of v14/v15): 16-wide chunks in
+    4 warps first (about twice as fast as v7's 8 warps, which stay a candidate), but 32-wide chunks in 8 warps for
+    512 output channels and the default's 32-row tile for packed segments; never a register cap."""
     geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38),
-           "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
-    cands = deform_ops._bwd_data_candidates(geo, deform_ops.segment_length(geo), torch.float16, torch.device("cpu"),
-                                            fixed=True)
+           "cls-14": _geo(n=64, h=14, w=14), "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
+    seg = deform_ops.segment_length(geo)
+    cands = deform_ops._bwd_data_candidates(geo, seg, dtype, torch.device("cpu"), fixed=True)
     first = cands[0]
-    assert (first.block_m, first.block_n, first.block_k, first.num_warps, first.maxnreg) == (*block, 16, 4, None)
-    assert dataclasses.replace(first, num_warps=8) in cands
-    assert all(c.block_k == 16 for c in cands)
+    assert (first.block_m, first.block_n, first.block_k, first.num_warps) == block
+    assert all(c.maxnreg is None for c in cands)
+    if block[2:] == (16, 4):
+        assert dataclasses.replace(first, num_warps=8) in cands
+    if shape == "hires-g8":
+        assert first == deform_ops._bwd_data_candidates(geo, seg, dtype, torch.device("cpu"))[0]
+
+
+@pytest.mark.parametrize("shape,dtype,ahead", [
+    ("det-s3", torch.float16, True), ("det-s3", torch.bfloat16, True), ("det-s3", torch.float32, True),
+    ("det-s4", torch.float16, False), ("cls-14", torch.float32, False), ("hires-g8", torch.float16, False),
+    ("hires-g8", torch.float32, False),
+])
+def test_forward_loads_sample_points_ahead_in_128_row_tiles(shape, dtype, ahead):
+    """The forward issues each (tap, segment) step's offsets and mask a step ahead where the H200 measured it
+    faster (v15): the 128-row, 4-warp, 3-stage tiles of long segments (det-s3: -11% fp16, -15% bf16, -5% fp32),
+    not the wide 64x256 tile (+1.5%) and not packed segments (which prefetch their own way)."""
+    geo = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "cls-14": _geo(n=64, h=14, w=14),
+           "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}[shape]
+    seg = deform_ops.segment_length(geo)
+    cands = deform_ops._fwd_candidates(geo, seg, dtype)
+    assert cands[0].sample_ahead == ahead
+    if ahead:
+        assert (cands[0].block_m, cands[0].num_warps, cands[0].num_stages) == (128, 4, 3)
+        assert not cands[1].sample_ahead and (cands[1].block_m, cands[1].num_warps) == (128, 4)  # the former default
+    assert not any(c.sample_ahead for c in cands) or not deform_ops._short_segments(geo, seg, "fwd")
 
 
 def test_config_launch_options():

@@ -341,6 +341,37 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
     assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_data"] == [split]
 
 
+# long segments of the forward's per-(tap, segment) loop: several segments a conv group, 6 channels each
+LONG_SEGMENT_CASES = {
+    "og2-long-segments": CONFIGS["og2-long-segments"],
+    "long-segment-partial-chunk": CONFIGS["long-segment-partial-chunk"],
+    "1x1-no-mask": CONFIGS["1x1-no-mask"],
+    "groups2-og4-segments-of-6": dict(n=2, cin=24, cout=4, h=5, w=4, kh=3, kw=2, groups=2, offset_groups=4, padding=1,
+                                      stride=(2, 1)),
+}
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("ahead", [True, False], ids=["sample-ahead", "sample-in-step"])
+@pytest.mark.parametrize("config", list(LONG_SEGMENT_CASES), ids=list(LONG_SEGMENT_CASES))
+def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, config, monkeypatch):
+    """The forward with long segments, each (tap, segment) step's offsets and mask loaded one step ahead
+    (Config.sample_ahead) or in the step, gives the oracle's output (and gradients) across tap, segment and conv
+    group boundaries."""
+    import dataclasses
+
+    from deformconv.ops import deform_conv2d as kernels
+
+    real = kernels._fwd_candidates
+    monkeypatch.setattr(kernels, "_fwd_candidates", lambda *a: [dataclasses.replace(real(*a)[0], sample_ahead=ahead)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    cfg = LONG_SEGMENT_CASES[config]
+    args, kwargs = make_case(**cfg, dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    assert [c.sample_ahead for key, c in kernels.chosen_configs().items() if key[0] == "fwd"] == [ahead]
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
 def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):

@@ -131,7 +131,7 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
             bk = 64 if nseg == 1 else 32
             log(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, fwd, dict(
                 common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=per_image, GROUPED=nseg > 1,
-                W_K_MAJOR=False, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints, 8 if bn == 256 else 4)))  # fp16 layout
+                W_K_MAJOR=False, SAMPLE_AHEAD=False, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints, 8 if bn == 256 else 4)))  # fp16 layout
             log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
                 common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, FIXED_GIN=False, EVEN_K=True,
                 PER_IMAGE=per_image, GO_RESIDENT=shape[2] <= min(bn, 128), TAP_SPLIT=1, GROUPED=nseg > 1, BLOCK_M=64, BLOCK_N=min(bn, 128),

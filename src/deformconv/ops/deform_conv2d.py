@@ -50,6 +50,7 @@ class Config:
     num_stages: int = 2
     split: int = 1  # programs sharing one output tile: grad_weight's M reduction; the grad_input kernel's taps
     maxnreg: Optional[int] = None  # registers per thread at most (ptxas spills the rest); None: no limit
+    sample_ahead: bool = False  # forward, long segments: each step's offsets and mask loaded a step ahead
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
@@ -181,13 +182,15 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         # uncapped 64-row tiles and 32-wide chunks in 3 stages were slower
         # packed segments (v14): hires-g8 0.807 (N-major, 128,64,32,4) -> 0.591 ms at (64,64,16,4,3); 4 stages equal,
         # 2 stages 0.736, 32 rows 0.601, 128 rows 0.641, 8 warps 0.787, 32-wide chunks 0.834, capped at 168 0.707
+        # the sample points a step ahead (v15): det-s3 0.448 -> 0.427 ms; not for the 64x256 tile (+1.5% at det-s4/s5)
         if cout_g >= 256:
             cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG),
                      Config(128, 256, 16, 8, num_stages=3), Config(128, 256, bk, 8)]
         elif _short_segments(geo, seg, "fwd"):
             cands = [Config(64, bn, 16, 4, num_stages=3), Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
         else:
-            cands = [Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
+            cands = [Config(128, bn, 16, 4, num_stages=3, sample_ahead=True), Config(128, bn, 16, 4, num_stages=3),
+                     Config(128, bn, bk, 4)]
     elif cout_g >= 256:  # fp16/bf16 (fp32 took the K-major branch)
         # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
         # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
@@ -196,8 +199,12 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
         if not _short_segments(geo, seg, "fwd"):
             cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
-    else:
+    elif _short_segments(geo, seg, "fwd"):
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
+    else:
+        # each (tap, segment) step's offsets and mask loaded a step ahead, 3 stages (v15, H200, graph): det-s3 fp16
+        # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384
+        cands = [Config(128, bn, min(bk, 32), 4, num_stages=3, sample_ahead=True), Config(128, bn, min(bk, 32), 4)]
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
     return _unique(cands)[:4]
 
@@ -227,11 +234,18 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
         cands[0] = dataclasses.replace(first, maxnreg=cap)
         cands.insert(0, Config(32, bn, min(bk, 32), 4))
     if fixed:
-        # deterministic mode's int64 scatter values double its registers: 16-wide chunks, 4 warps (v14, H200 fp16,
-        # the kernel alone: det-s3 6.51 -> 3.05 ms, det-s4 3.59 -> 1.79, hires-g8 8.90 -> 3.85 against v7's 8 warps,
-        # the 8-warp form kept as a candidate; 32-wide chunks at 8 warps 3.31 / 1.86, 32 rows 3.83 at hires-g8)
-        cands = ([Config(c.block_m, min(c.block_n, 128), 16, 4) for c in cands]
-                 + [Config(cands[0].block_m, min(cands[0].block_n, 128), 16, 8)])
+        # deterministic mode (int64 fixed-point adds, twice the scatter's registers), H200, the kernel alone, graph ms
+        # (v14, v15): 16-wide chunks in 4 warps against v7's 16-wide in 8 warps: fp16 det-s3 6.51 -> 3.05, det-s4
+        # 3.59 -> 1.79, cls-14 1.78 -> 0.79 (32-wide in 8 warps: 3.31 / 1.86 / 0.85); fp32 det-s3 3.77 -> 3.30, det-s4
+        # 2.42 -> 2.18, cls-14 1.17 -> 0.96. 512 output channels take 32-wide chunks in 8 warps: det-s5 fp16
+        # 1.27 -> 1.07, fp32 1.63 -> 1.35 against 16-wide in 4 warps. Packed segments keep the default's 32-row
+        # tile: hires-g8 fp32 4.30 -> 4.07 against 64 rows, 16-wide, 4 warps (fp16 3.85 -> 3.83)
+        if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4:
+            cands = [Config(32, bn, min(bk, 32), 4), Config(64, bn, 16, 4), Config(64, bn, 16, 8)]
+        elif cout_g >= 512:
+            cands = [Config(64, 128, min(bk, 32), 8), Config(64, 128, 16, 4)]
+        else:
+            cands = [Config(64, bn, 16, 4), Config(64, _pow2_clamp(cout_g, 16, 64), 16, 4), Config(64, bn, 16, 8)]
     return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])[:4]
 
 
@@ -444,6 +458,45 @@ def _sample_point(
 
 
 @triton.jit
+def _sample_loads(off_ptr, msk_ptr, off_row, msk_row, ch, L, m_valid, HAS_MASK: tl.constexpr):
+    """_sample_point's loads alone, so that they can be issued a step ahead: (dy, dx, mask) [BM] in their dtype
+    (without HAS_MASK the mask is dy again, never used)."""
+    dy_row = off_row + (2 * ch).to(tl.int64) * L
+    dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0)
+    dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0)
+    if HAS_MASK:
+        mraw = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0)
+    else:
+        mraw = dy
+    return dy, dx, mraw
+
+
+@triton.jit
+def _sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK: tl.constexpr):
+    """_sample_point from its _sample_loads. (The same arithmetic, written out again: _sample_point calling these two
+    builds other code for the grad_input kernel, 612 -> 608 instructions a chunk at det-s3, never measured.)"""
+    y = y_ref + dy.to(tl.float32)
+    x = x_ref + dx.to(tl.float32)
+    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    ly = y - y0f
+    lx = x - x0f
+    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
+    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    if HAS_MASK:
+        mv = mraw.to(tl.float32)
+    else:
+        mv = tl.full(ly.shape, 1.0, tl.float32)
+    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+
+
+@triton.jit
 def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
     """The 4 bilinear corners [BM, BK] (fp32, zero outside the image) of channels cc."""
     ptrs = ptr + p00[:, None] + cc[None, :]
@@ -646,6 +699,28 @@ def _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
 
 
 @triton.jit
+def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G,
+                 KK: tl.constexpr, SEG: tl.constexpr, EVEN_K: tl.constexpr, W_K_MAJOR: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The forward's K steps of one tap and (long) segment s of conv group gc: acc [BM, BN] += A·B over the
+    segment's channel chunks, A blended from the 4 corners of `sample` (_sample_point). The chunk loop is
+    pipelined by Triton (num_stages)."""
+    p00, v00, v01, v10, v11, ly, lx, mv = sample
+    w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+    c_lo = gc * CIN_G + s * SEG
+    row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
+    tap_row = row0.to(tl.int64)
+    w_row = (row0 + s * SEG).to(tl.int64)
+    for c0 in range(0, SEG, BLOCK_K):
+        k_ok = c0 + offs_k < SEG
+        c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
+        a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
+        b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
+        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
 def _deform_conv2d_fwd_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
@@ -670,6 +745,7 @@ def _deform_conv2d_fwd_kernel(
     W_K_MAJOR: tl.constexpr,           # the packed weight's input channels contiguous (see weight_k_major)
     PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
+    SAMPLE_AHEAD: tl.constexpr,        # NSEG == 1 only: offsets and mask loaded one (tap, segment) step ahead
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
@@ -714,25 +790,32 @@ def _deform_conv2d_fwd_kernel(
                              n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             wt, wb, top, bottom = nwt, nwb, ntop, nbottom
+    elif SAMPLE_AHEAD:  # --- K loop: (tap, segment) steps, each one's offsets and mask issued a step ahead ---
+        n_segs = CIN_G // SEG
+        n_steps = KK * n_segs
+        ndy, ndx, nmv = _sample_loads(off_ptr, msk_ptr, off_row, msk_row, ((gc * CIN_G) // COG) * KK, L, m_valid,
+                                      HAS_MASK)
+        for ts in range(n_steps):
+            tap = ts // n_segs
+            s = ts - tap * n_segs
+            dy, dx, mraw = ndy, ndx, nmv
+            t1 = (ts + 1) // n_segs  # the next step's tap and first channel
+            c1 = gc * CIN_G + (ts + 1 - t1 * n_segs) * SEG
+            ndy, ndx, nmv = _sample_loads(off_ptr, msk_ptr, off_row, msk_row, (c1 // COG) * KK + t1, L,
+                                          m_valid & (ts + 1 < n_steps), HAS_MASK)
+            y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
+            sample = _sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
+            acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G, KK,
+                               SEG, EVEN_K, W_K_MAJOR, DOT_PRECISION, BLOCK_K)
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
         for tap in range(KK):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for s in range(CIN_G // SEG):
-                c_lo = gc * CIN_G + s * SEG
-                ch = (c_lo // COG) * KK + tap
-                p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
+                ch = ((gc * CIN_G + s * SEG) // COG) * KK + tap
+                sample = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-                row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
-                tap_row = row0.to(tl.int64)
-                w_row = (row0 + s * SEG).to(tl.int64)
-                for c0 in range(0, SEG, BLOCK_K):
-                    k_ok = c0 + offs_k < SEG
-                    c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
-                    a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-                    b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR,
-                                     EVEN_K)
-                    acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
+                acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G,
+                                   KK, SEG, EVEN_K, W_K_MAJOR, DOT_PRECISION, BLOCK_K)
 
     # --- epilogue: bias, store in the output's layout ---
     co = gc * COUT_G + offs_n
@@ -1287,7 +1370,8 @@ def deform_conv2d_forward(
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
                     DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
-                    GROUPED=plan["grouped"], BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                    BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, wp, b, out)
         return run
