@@ -22,6 +22,10 @@ SHAPES = {
     "5x5-cout-odd": (1, 16, 37, 19, 23, 5, 5, 1, 1, 1, 2, 1, "random"),
     "og8-packed-segments": (2, 64, 64, 31, 37, 3, 3, 1, 8, 1, 1, 1, "random"),
     "og12-g2-packed-tail": (2, 48, 40, 13, 19, 3, 3, 2, 12, 1, 1, 1, "random"),
+    # the wide configs (>= 256 output channels a group): the forward's 64x256 tile and grad_weight's 256-column
+    # tile (register-capped); with 520, three column tiles (the last of 8) and the grad_input kernel's 8-warp form
+    "cout-256-wide-tile": (2, 64, 256, 13, 17, 3, 3, 1, 1, 1, 1, 1, "random"),
+    "cout-520-three-n-tiles": (1, 40, 520, 7, 9, 3, 3, 1, 1, 1, 1, 1, None),
 }
 NAMES = ("input", "offset", "weight", "bias", "mask")
 
