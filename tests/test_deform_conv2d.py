@@ -372,6 +372,33 @@ def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, co
     assert [c.sample_ahead for key, c in kernels.chosen_configs().items() if key[0] == "fwd"] == [ahead]
 
 
+WIDE_CASES = {  # >= 256 output channels a group: the wide tiles (see the GPU tests' shapes of the same names)
+    "cout-256-wide-tile": dict(n=1, cin=64, cout=256, h=5, w=6, kh=3, kw=3, padding=1),
+    "cout-520-three-n-tiles": dict(n=1, cin=40, cout=520, h=4, w=5, kh=3, kw=3, padding=1, mask=None),
+}
+
+
+def _reference(x, offset, weight, bias, stride, padding, dilation, mask):
+    return deformconv.deform_conv2d(x, offset, weight, bias, stride, padding, dilation, mask, backend="reference")
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config", list(WIDE_CASES), ids=list(WIDE_CASES))
+def test_wide_configs(backend, dtype, config, monkeypatch):
+    """The default configs for >= 256 output channels a group (the forward's 64x256 tile, grad_weight's 256-column
+    tile, the grad_input kernel's 8-warp form at >= 512), with a partial last column tile at 520, give the float64
+    reference's output and gradients."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    args, kwargs = make_case(**WIDE_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
+    used = {key[0]: cfg for key, cfg in kernels.chosen_configs().items()}
+    assert used["fwd"].block_n == 256 and used["bwd_weight"].block_n == 256
+    assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 else 4)
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
 def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):
