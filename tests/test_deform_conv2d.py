@@ -341,7 +341,8 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
     assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_data"] == [split]
 
 
-# long segments of the forward's per-(tap, segment) loop: several segments a conv group, 6 channels each
+# long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)
+# loop; the last case has two segments of 6 channels a conv group
 LONG_SEGMENT_CASES = {
     "og2-long-segments": CONFIGS["og2-long-segments"],
     "long-segment-partial-chunk": CONFIGS["long-segment-partial-chunk"],
