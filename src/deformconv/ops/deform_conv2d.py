@@ -224,15 +224,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
     first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
-    cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
-             Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
-    if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4 and not fixed:
-        # packed segments: 32-row tiles, uncapped (v11, H200): hires-g8 fp16 1.355 -> 1.318 ms, bf16 1.356 ->
-        # 1.316, fp32 1.536 -> 1.544; (8,128,128,64,96,3,16) fp16 0.779 -> 0.546, fp32 0.831 -> 0.808. The
-        # former default, 64 rows capped, stays a candidate
-        cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
-        cands[0] = dataclasses.replace(first, maxnreg=cap)
-        cands.insert(0, Config(32, bn, min(bk, 32), 4))
+    packed = _short_segments(geo, seg, "bwd_data") and first.num_warps == 4
+    packed_first = Config(32, bn, min(bk, 32), 4)  # packed segments: 32-row tiles, uncapped (both modes)
     if fixed:
         # deterministic mode (int64 fixed-point adds, twice the scatter's registers), H200, the kernel alone, graph ms
         # (v14, v15): 16-wide chunks in 4 warps against v7's 16-wide in 8 warps: fp16 det-s3 6.51 -> 3.05, det-s4
@@ -240,12 +233,21 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
         # 2.42 -> 2.18, cls-14 1.17 -> 0.96. 512 output channels take 32-wide chunks in 8 warps: det-s5 fp16
         # 1.27 -> 1.07, fp32 1.63 -> 1.35 against 16-wide in 4 warps. Packed segments keep the default's 32-row
         # tile: hires-g8 fp32 4.30 -> 4.07 against 64 rows, 16-wide, 4 warps (fp16 3.85 -> 3.83)
-        if _short_segments(geo, seg, "bwd_data") and first.num_warps == 4:
-            cands = [Config(32, bn, min(bk, 32), 4), Config(64, bn, 16, 4), Config(64, bn, 16, 8)]
+        if packed:
+            cands = [packed_first, Config(64, bn, 16, 4), Config(64, bn, 16, 8)]
         elif cout_g >= 512:
             cands = [Config(64, 128, min(bk, 32), 8), Config(64, 128, 16, 4)]
         else:
             cands = [Config(64, bn, 16, 4), Config(64, _pow2_clamp(cout_g, 16, 64), 16, 4), Config(64, bn, 16, 8)]
+    else:
+        cands = [first, Config(64, bn, bk, 8), Config(64, _pow2_clamp(cout_g, 16, 64), bk, 4),
+                 Config(64, _pow2_clamp(cout_g, 16, 256), min(bk, 32), 8)]
+        if packed:
+            # packed segments: 32-row tiles, uncapped (v11, H200): hires-g8 fp16 1.355 -> 1.318 ms, bf16 1.356 ->
+            # 1.316, fp32 1.536 -> 1.544; (8,128,128,64,96,3,16) fp16 0.779 -> 0.546, fp32 0.831 -> 0.808. The
+            # former default, 64 rows capped, stays a candidate
+            cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
+            cands = [packed_first, dataclasses.replace(first, maxnreg=cap)] + cands[1:]
     return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])[:4]
 
 
