@@ -86,6 +86,22 @@ def test_reasons_are_listed_per_backend():
     assert any("float64" in r for r in reasons["triton"])
 
 
+def test_triton_refuses_bfloat16_under_the_interpreter(monkeypatch):
+    """The interpreter's bfloat16 tl.dot multiplies the raw bits (triton-lang/triton#11584): forcing the Triton
+    backend on bfloat16 CPU tensors raises, naming why, instead of returning garbage; float16 still runs."""
+    from deformconv import backends
+
+    monkeypatch.setattr(backends, "triton_interpret_mode", lambda: True)
+    monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
+    reasons = deformconv.not_supported_reasons(torch.device("cpu"), torch.bfloat16)["triton"]
+    assert any("bfloat16" in r and "interpreter" in r for r in reasons)
+    assert deformconv.not_supported_reasons(torch.device("cpu"), torch.float16)["triton"] == []
+    x, offset, weight = torch.randn(1, 4, 5, 5), torch.randn(1, 18, 5, 5), torch.randn(4, 4, 3, 3)
+    with pytest.raises(RuntimeError, match=r"backend='triton'.*bfloat16.*interpreter"):
+        deformconv.deform_conv2d(x.bfloat16(), offset.bfloat16(), weight.bfloat16(), padding=1, backend="triton")
+    assert deformconv.select_backend(torch.device("cpu"), torch.bfloat16) == "reference"
+
+
 @pytest.mark.parametrize("capability,dtype,expected", [
     ((9, 0), torch.bfloat16, "triton"),
     ((9, 0), torch.float32, "triton"),

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import assert_close, make_case
+from conftest import assert_close, assert_near_rounding, make_case
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -212,6 +212,27 @@ def test_half_inputs_are_computed_in_float32_by_the_reference():
     kw64 = dict(kwargs, mask=kwargs["mask"].double())
     exact = deformconv.deform_conv2d(*args64, **kw64, backend="reference")
     torch.testing.assert_close(out.double(), exact.half().double(), atol=1e-3, rtol=2e-3)
+
+
+@pytest.mark.skipif(not any(p.values == ("triton", torch.float16) for p in BACKENDS),
+                    reason="the Triton backend cannot run float16 here")
+@pytest.mark.parametrize("config", ["long-segments", "og8-packed-segments"])
+def test_half_error_near_the_rounding_of_the_exact_result(config):
+    """fp16 through the Triton backend stays within a small multiple of the unavoidable rounding error, in mean
+    and max, for the output and grad_weight (see Precision in ops/deform_conv2d.py)."""
+    cfg = dict(n=2, cin=64, cout=48, h=9, w=11, kh=3, kw=3, padding=1,
+               offset_groups=8 if config == "og8-packed-segments" else 1)
+    args, kwargs = make_case(**cfg, dtype=torch.float64, seed=3)
+    mask = kwargs.pop("mask")
+    results = {}
+    for dtype, backend in ((torch.float16, "triton"), (torch.float64, "reference")):
+        x, offset, weight, bias, m = [t.to(torch.float16).to(dtype).requires_grad_(True) for t in (*args, mask)]
+        out = deformconv.deform_conv2d(x, offset, weight, bias, **kwargs, mask=m, backend=backend)
+        grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+        grad_w, = torch.autograd.grad(out, [weight], grad_out.to(torch.float16).to(dtype))
+        results[dtype] = dict(output=out.detach().double(), grad_weight=grad_w.double())
+    for name in ("output", "grad_weight"):
+        assert_near_rounding(results[torch.float16][name], results[torch.float64][name], torch.float16, name)
 
 
 def test_gradcheck_float64():

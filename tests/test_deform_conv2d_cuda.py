@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import HAS_CUDA, assert_close, make_case
+from conftest import HAS_CUDA, assert_close, assert_near_rounding, make_case
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -69,6 +69,26 @@ def _fwd_bwd(args, kwargs, backend, dtype=None):
     _poison_allocator()
     grads = iter(torch.autograd.grad(out, wrt, gout))
     return out, [None if t is None else next(grads) for t in leaves]
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments"])
+def test_half_error_near_the_rounding_of_the_exact_result(shape, dtype):
+    """fp16/bf16 output and grad_weight within a small multiple of the rounding of the exact result (the
+    forward's 128-row, 64x256 and packed loops; see Precision in ops/deform_conv2d.py)."""
+    args, kwargs = _case(shape, dtype, seed=5)
+    mask = kwargs.pop("mask")
+    gout, results = None, {}
+    for dt, backend in ((dtype, "triton"), (torch.float64, "reference")):
+        x, offset, weight, bias, m = [t.to(dt).requires_grad_(True) for t in (*args, mask)]
+        out = deformconv.deform_conv2d(x, offset, weight, bias, **kwargs, mask=m, backend=backend)
+        if gout is None:
+            gen = torch.Generator(device="cuda").manual_seed(6)
+            gout = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float64).to(dtype)
+        grad_w, = torch.autograd.grad(out, [weight], gout.to(dt))
+        results[dt] = dict(output=out, grad_weight=grad_w)
+    for name in ("output", "grad_weight"):
+        assert_near_rounding(results[dtype][name], results[torch.float64][name], dtype, name)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])

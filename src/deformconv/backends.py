@@ -102,6 +102,11 @@ class TritonBackend(Backend):
         elif device.type == "cpu":
             if not triton_interpret_mode():
                 reasons.append("CPU tensors run on Triton only under TRITON_INTERPRET=1 (the interpreter)")
+            elif dtype == torch.bfloat16:
+                # the interpreter keeps bfloat16 as its uint16 bits, and its tl.dot multiplies those bits
+                # (triton-lang/triton#11584: results ~1e10 off; not supported upstream)
+                reasons.append("Triton's interpreter (TRITON_INTERPRET=1) computes bfloat16 tl.dot on the raw bits; "
+                               "bfloat16 on the CPU runs on the reference backend")
         else:
             reasons.append(f"device type {device.type!r} is not supported (CUDA only)")
         if dtype == torch.float64:

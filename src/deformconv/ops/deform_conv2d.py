@@ -17,6 +17,16 @@ consecutive addresses); the weight is repacked once per call to [groups, kh*kw, 
 (tap-major B rows), or for the fp32 forward to [groups, kh*kw, Cout/groups, Cin/groups] (TF32 wgmma reads its B
 tile K-major only: weight_k_major). Offsets into the input and gradient buffers are int64.
 
+Precision: the GEMMs accumulate in fp32 (TF32 on the tensor cores for fp32 inputs only where
+torch.backends.cudnn.allow_tf32 permits). Sample points and bilinear weights are fp32. The forward blends the 4
+corners into A in the input's dtype: fp32 for fp32; for fp16 and bf16 the weights are rounded to that dtype and the
+products summed in it (paired 16-bit FMAs), A being rounded to it for the tensor cores in any case. That takes
+30-45% of the instructions out of the forward's K loop and 7-16% of its time (H200, v16, benchmarks/NOTES.md),
+for a forward error (fp16, against float64) 1.2-1.4x that of rounding the exact result to fp16, where an fp32
+blend gives 1.1x and torchvision, which computes in fp16 throughout, 4-5x (tests/test_deform_conv2d.py,
+test_half_error_near_the_rounding_of_the_exact_result). grad_weight re-samples A in fp32: a 16-bit
+blend there took its error from 1.6x to 2.7x the rounding's, for 4-7% of that kernel's time.
+
 The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
 
 This file reads top-down: configs/heuristics -> @triton.jit kernels -> launchers -> nothing else (the
@@ -500,7 +510,7 @@ def _sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_M
 
 @triton.jit
 def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
-    """The 4 bilinear corners [BM, BK] (fp32, zero outside the image) of channels cc."""
+    """The 4 bilinear corners [BM, BK] (the input's dtype, zero outside the image) of channels cc."""
     ptrs = ptr + p00[:, None] + cc[None, :]
     row = W * CIN
     if EVEN_K:
@@ -513,7 +523,7 @@ def _load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.con
         c01 = tl.load(ptrs + CIN, mask=v01[:, None] & k_ok[None, :], other=0.0)
         c10 = tl.load(ptrs + row, mask=v10[:, None] & k_ok[None, :], other=0.0)
         c11 = tl.load(ptrs + row + CIN, mask=v11[:, None] & k_ok[None, :], other=0.0)
-    return c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+    return c00, c01, c10, c11
 
 
 @triton.jit
@@ -524,10 +534,12 @@ def _bilinear_weights(ly, lx, mv):
 
 @triton.jit
 def _blend(w00, w01, w10, w11, c00, c01, c10, c11):
-    """The bilinear sample in fp32: corners [..., channels] (any float dtype) weighted by their
-    _bilinear_weights [...]."""
-    return (tl.expand_dims(w00, -1) * c00.to(tl.float32) + tl.expand_dims(w01, -1) * c01.to(tl.float32)
-            + tl.expand_dims(w10, -1) * c10.to(tl.float32) + tl.expand_dims(w11, -1) * c11.to(tl.float32))
+    """The bilinear sample [..., channels] from the corners [..., channels] weighted by their _bilinear_weights
+    [...], computed in the corners' dtype (see Precision in the module docstring): fp32 corners in fp32; fp16
+    and bf16 corners in their dtype, the weights rounded to it (paired 16-bit FMAs)."""
+    dt = c00.dtype
+    return (tl.expand_dims(w00.to(dt), -1) * c00 + tl.expand_dims(w01.to(dt), -1) * c01
+            + tl.expand_dims(w10.to(dt), -1) * c10 + tl.expand_dims(w11.to(dt), -1) * c11)
 
 
 @triton.jit
@@ -583,8 +595,10 @@ def _pair_weights(ly, lx, mv):
 
 @triton.jit
 def _blend_pairs(wt, wb, top, bottom):
-    """The bilinear samples [BM, NSEG, SEG] in fp32 from _corner_pairs and _pair_weights."""
-    return tl.sum(wt[:, :, :, None] * top.to(tl.float32) + wb[:, :, :, None] * bottom.to(tl.float32), axis=2)
+    """The bilinear samples [BM, NSEG, SEG] from _corner_pairs and _pair_weights, in the corners' dtype as
+    _blend."""
+    dt = top.dtype
+    return tl.sum(wt[:, :, :, None].to(dt) * top + wb[:, :, :, None].to(dt) * bottom, axis=2)
 
 
 @triton.jit
@@ -709,6 +723,8 @@ def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W,
     pipelined by Triton (num_stages)."""
     p00, v00, v01, v10, v11, ly, lx, mv = sample
     w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
+    dt = x_ptr.dtype.element_ty  # the blend's dtype (_blend): the weights rounded to it once a segment
+    w00, w01, w10, w11 = w00.to(dt), w01.to(dt), w10.to(dt), w11.to(dt)
     c_lo = gc * CIN_G + s * SEG
     row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
     tap_row = row0.to(tl.int64)
@@ -1095,13 +1111,15 @@ def _deform_conv2d_bwd_weight_kernel(
             top, bottom = _corner_pairs(x_ptr, p00, _segment_channels(c_first, GS, SEG, GROUPED), v00, v01, v10, v11,
                                         W * PIX, PIX)
             wt, wb = _pair_weights(ly, lx, mv)
-            a = tl.reshape(_blend_pairs(wt, wb, top, bottom), (BLOCK_M, BLOCK_K))
+            # A blended in fp32 here (see Precision in the module docstring)
+            a = tl.reshape(_blend_pairs(wt, wb, top.to(tl.float32), bottom.to(tl.float32)), (BLOCK_M, BLOCK_K))
         else:
             p00, v00, v01, v10, v11, ly, lx, mv = _sample_point(
                 off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
             c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
             w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
-            a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
+            a = _blend(w00, w01, w10, w11,  # in fp32 (see Precision in the module docstring)
+                       c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32))
         go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
                      mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
