@@ -33,13 +33,14 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
 
 @pytest.mark.parametrize("shape,dtype,fwd_cap,data_cap,weight_cap", [
     ("det-s3", torch.float16, None, None, None), ("det-s4", torch.float16, 128, None, 128),
-    ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, None, None, 168),
+    ("cls-14", torch.bfloat16, 128, None, 128), ("hires-g8", torch.float16, 128, None, 168),
     ("hires-g8", torch.float32, None, None, 168), ("det-s4", torch.float32, 128, None, 128),
     ("cls-14", torch.float32, 128, None, 128), ("det-s3", torch.float32, None, None, 168),
 ])
 def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_cap):
     """The default configs cap registers exactly where the H200 sweeps measured a gain (see the comment above
-    FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32 with the K-major weight too), the packed and wide
+    FWD_WIDE_MAXNREG): the wide forward's 64x256 tile (fp32 with the K-major weight too), the 16-bit packed
+    forward's 64-row tile, the packed and wide
     grad_weight kernels, fp32's narrow (unpipelined) grad_weight tile; not det-s3's forward, not the grad_input
     kernel (packed segments take 32-row tiles uncapped, the capped 64-row tile second), not deterministic mode's
     grad_input kernel."""

@@ -158,7 +158,7 @@ def _unique(cands: List[Config]) -> List[Config]:
 
 # Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
 # the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md): the
-# wide forward's 64x256 tile (see _fwd_candidates);
+# wide forward's 64x256 tile and (v16) the 16-bit packed forward's 64-row tile (see _fwd_candidates);
 # grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
 # 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
 # segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: the other forwards (det-s3 0.296 ->
@@ -169,6 +169,7 @@ def _unique(cands: List[Config]) -> List[Config]:
 # offset-grouped corner loads (v10, hires-g8, capped vs uncapped): grad_input kernel fp16 1.395 vs 1.459 ms,
 # fp32 1.541 vs 1.769; grad_weight fp16 0.436 vs 0.455, fp32 0.951 vs 1.013.
 FWD_WIDE_MAXNREG = 128
+FWD_PACKED_MAXNREG = 128
 DATA_PACKED_MAXNREG = 128
 DATA_PACKED_FP32_MAXNREG = 168
 WEIGHT_PACKED_MAXNREG = 168
@@ -210,7 +211,10 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         if not _short_segments(geo, seg, "fwd"):
             cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
     elif _short_segments(geo, seg, "fwd"):
-        cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
+        # packed segments, 16-bit: 64-row tiles capped at 128 registers once the blend was 16-bit (v16, fp16
+        # hires-g8 0.419 -> 0.379 ms; uncapped 0.473; 64-wide chunks 0.820); the former 128-row tile second
+        cands = [Config(64, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG), Config(128, bn, min(bk, 32), 4),
+                 Config(128, bn, bk, 4)]
     else:
         # each (tap, segment) step's offsets and mask loaded a step ahead, 3 stages (v15, H200, graph): det-s3 fp16
         # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384
