@@ -23,9 +23,10 @@ corners into A in the input's dtype: fp32 for fp32; for fp16 and bf16 the weight
 products summed in it (paired 16-bit FMAs), A being rounded to it for the tensor cores in any case. That takes
 30-45% of the instructions out of the forward's K loop and 7-16% of its time (H200, v16, benchmarks/NOTES.md),
 for a forward error (fp16, against float64) 1.2-1.4x that of rounding the exact result to fp16, where an fp32
-blend gives 1.1x and torchvision, which computes in fp16 throughout, 4-5x (tests/test_deform_conv2d.py,
-test_half_error_near_the_rounding_of_the_exact_result). grad_weight re-samples A in fp32: a 16-bit
-blend there took its error from 1.6x to 2.7x the rounding's, for 4-7% of that kernel's time.
+blend gives 1.1x and torchvision, which computes in fp16 throughout, 4.5x on the CPU and 35-72x on the H200
+(tests/test_deform_conv2d.py, test_half_error_near_the_rounding_of_the_exact_result). The 4 weights sum to the
+mask, so with a mask <= 1 every partial sum stays within the corners' range. grad_weight re-samples A in fp32: a
+16-bit blend there took its error from 1.6x to 2.7x the rounding's, for 4-7% of that kernel's time.
 
 The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
 
@@ -158,7 +159,8 @@ def _unique(cands: List[Config]) -> List[Config]:
 
 # Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
 # the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md): the
-# wide forward's 64x256 tile and (v16) the 16-bit packed forward's 64-row tile (see _fwd_candidates);
+# wide forward's 64x256 tile and (v16) the 16-bit packed forward's 64-row tile at <= 64 columns (see
+# _fwd_candidates);
 # grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
 # 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
 # segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: the other forwards (det-s3 0.296 ->
@@ -211,10 +213,12 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         if not _short_segments(geo, seg, "fwd"):
             cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
     elif _short_segments(geo, seg, "fwd"):
-        # packed segments, 16-bit: 64-row tiles capped at 128 registers once the blend was 16-bit (v16, fp16
-        # hires-g8 0.419 -> 0.379 ms; uncapped 0.473; 64-wide chunks 0.820); the former 128-row tile second
-        cands = [Config(64, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG), Config(128, bn, min(bk, 32), 4),
-                 Config(128, bn, bk, 4)]
+        cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
+        if bn <= 64:
+            # packed segments, 16-bit, <= 64 output channels a group: 64-row tiles capped at 128 registers once the
+            # blend was 16-bit (v16, H200, graph): hires-g8 fp16 0.419 -> 0.379 ms, bf16 0.424 -> 0.390 (uncapped
+            # 0.473, 64-wide chunks 0.820). Not with 128 columns: (8,128,128,64,96,3,16) 0.299 -> 0.441 ms
+            cands.insert(0, Config(64, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG))
     else:
         # each (tap, segment) step's offsets and mask loaded a step ahead, 3 stages (v15, H200, graph): det-s3 fp16
         # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384
