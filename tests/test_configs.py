@@ -124,6 +124,7 @@ def test_grad_input_kernel_splits_taps_when_tiles_are_fewer_than_multiprocessors
     """The grad_input kernel's tap split (Config.split): 3 programs per M tile when the M tiles (64 rows) are
     fewer than the multiprocessors, at most one per tap; never on the CPU (the interpreter)."""
     monkeypatch.setattr(deform_ops, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(deform_ops, "tma_supported", lambda device: True)  # no GPU to ask here
     geo = {"det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38), "cls-14": _geo(n=64, h=14, w=14),
            "1x1": ConvGeometry(batch=1, in_channels=8, height=5, width=5, out_channels=8, kernel_h=1, kernel_w=1, groups=1,
                                offset_groups=1, stride=(1, 1), padding=(0, 0), dilation=(1, 1), out_h=5, out_w=5)}[shape]
@@ -313,3 +314,52 @@ def test_offset_grouped_layout_where_segments_are_whole_packed_groups(geo, group
     if grouped:
         for kind in ("fwd", "bwd_data", "bwd_weight"):
             assert deform_ops.segments_per_chunk(geo, seg, 32, kind) > 1
+
+
+BENCH_GEOS = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38),
+              "cls-14": _geo(n=64, h=14, w=14), "hires-g8": _geo(64, 64, og=8, n=16, h=128, w=128)}
+
+
+@pytest.mark.parametrize("shape,dtype,fwd,data,weight", [
+    ("det-s3", torch.float16, False, False, True), ("det-s4", torch.float16, True, True, True),
+    ("det-s5", torch.bfloat16, True, False, True), ("cls-14", torch.float16, True, True, True),
+    ("hires-g8", torch.float16, False, False, False), ("det-s4", torch.float32, False, False, False),
+])
+def test_tma_where_measured_faster(shape, dtype, fwd, data, weight):
+    """Config.tma on the default configs where it measured faster on the H200 (v17): the forward's 64x256 tile
+    (det-s4 0.164 -> 0.152 ms), the grad_input kernel where grad_out is not resident below 512 output channels
+    (cls-14 0.280 -> 0.257), grad_weight with long segments in 16 bits (det-s4 0.262 -> 0.234). Not the 128x128
+    forward (det-s3 +3%), packed segments, 512 channels in the grad_input kernel (det-s5 +4%), or fp32 (never
+    measured; _tma_launch refuses it as well)."""
+    geo = BENCH_GEOS[shape]
+    seg, cpu = deform_ops.segment_length(geo), torch.device("cpu")
+    assert deform_ops._fwd_candidates(geo, seg, dtype)[0].tma == fwd
+    assert deform_ops._bwd_data_candidates(geo, seg, dtype, cpu)[0].tma == data
+    assert not deform_ops._bwd_data_candidates(geo, seg, dtype, cpu, fixed=True)[0].tma
+    assert deform_ops._bwd_weight_candidates(geo, seg, dtype, cpu)[0].tma == weight
+
+
+def test_tma_launch_refusals(monkeypatch):
+    """_tma_launch says no unless the config asks, the dtype is 16-bit, chunks are whole, the device has TMA and
+    every operand is addressable (16-byte aligned, rows of a multiple of 16 bytes, not empty)."""
+    asks, plain = deform_ops.Config(64, 256, 32, 8, tma=True), deform_ops.Config(64, 256, 32, 8)
+    w = torch.empty(3, 9, 32, 24, dtype=torch.float16)
+    ok = [(w, 24)]
+    assert deform_ops._tma_launch(asks, torch.float16, True, ok)
+    assert deform_ops._tma_launch(asks, torch.bfloat16, True, ok)
+    assert not deform_ops._tma_launch(plain, torch.float16, True, ok)
+    assert not deform_ops._tma_launch(asks, torch.float32, True, ok)
+    assert not deform_ops._tma_launch(asks, torch.float16, False, ok)
+    assert not deform_ops._tma_launch(asks, torch.float16, True, [(torch.empty(3, 9, 32, 20, dtype=torch.float16), 20)])
+    assert not deform_ops._tma_launch(asks, torch.float16, True, [(torch.empty(8 * 24 + 1, dtype=torch.float16)[1:], 24)])
+    assert not deform_ops._tma_launch(asks, torch.float16, True, [(torch.empty(0, 24, dtype=torch.float16), 24)])
+    monkeypatch.setattr(deform_ops, "tma_supported", lambda device: False)
+    assert not deform_ops._tma_launch(asks, torch.float16, True, ok)
+
+
+@pytest.mark.parametrize("capability,expected", [((9, 0), True), ((10, 0), True), ((8, 9), False), ((8, 0), False)])
+def test_tma_supported_from_hopper_on(capability, expected, monkeypatch):
+    """TMA descriptors from compute capability 9.0 (Hopper) on; on the CPU the interpreter emulates them."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert deform_ops.tma_supported(torch.device("cuda", 0)) == expected
+    assert deform_ops.tma_supported(torch.device("cpu"))

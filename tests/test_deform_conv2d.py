@@ -421,6 +421,58 @@ def test_wide_configs(backend, dtype, config, monkeypatch):
     assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 else 4)
 
 
+# Config.tma: weight and grad_out tiles read through TMA descriptors (16-bit dtypes, whole channel chunks)
+TMA_CASES = {
+    # long segments; 24 output channels in a 32-column tile (the descriptor reads zeros past them); grad_out
+    # resident in the grad_input kernel unless the tiles are flat
+    "long-cout-24": dict(n=3, cin=32, cout=24, h=5, w=6, kh=3, kw=3, padding=1),
+    # two conv groups: grad_out tiles at each group's channels, never resident; a stride
+    "groups2-cout-64": dict(n=3, cin=64, cout=64, h=4, w=7, kh=3, kw=3, groups=2, padding=1, stride=(1, 2)),
+    # packed segments (8 offset groups of 8 channels), the forward's flat step loop
+    "og8-packed": dict(n=2, cin=64, cout=16, h=4, w=5, kh=3, kw=3, offset_groups=8, padding=1),
+}
+TMA_BACKENDS = [p for p in TRITON_BACKENDS if p.values[1] != torch.float32]  # fp32 never takes TMA
+
+
+def _force_tma(kernels, monkeypatch, tma):
+    """Every kernel launched with its default config, Config.tma set to `tma`; no plans or choices kept."""
+    import dataclasses
+
+    for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+
+
+@pytest.mark.parametrize("backend,dtype", TMA_BACKENDS)
+@pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
+@pytest.mark.parametrize("config", list(TMA_CASES), ids=list(TMA_CASES))
+def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkeypatch):
+    """With Config.tma the three kernels read their weight and grad_out tiles through TMA descriptors (emulated
+    by the interpreter), in per-image or flat M tiles (grad_out's 3-d or 2-d descriptor): the output and every
+    gradient equal those of pointer loads bit for bit, and the oracle's."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
+    if not per_image:
+        monkeypatch.setattr(kernels, "go_resident", lambda *args: False)
+    args, kwargs = make_case(**TMA_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
+    leaves = _with_grad(args, kwargs, dtype)
+    results = {}
+    for tma in (False, True):
+        _force_tma(kernels, monkeypatch, tma)
+        results[tma] = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
+        launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]
+        assert len(launches) == 3
+        assert all((run[1] if isinstance(run, tuple) else run).meta["TMA"] == tma for run in launches)
+    (out, grads), (out_tma, grads_tma) = results[False], results[True]
+    torch.testing.assert_close(out_tma, out, atol=0, rtol=0)
+    for name, g, g_tma in zip(GRAD_NAMES, grads, grads_tma):
+        torch.testing.assert_close(g_tma, g, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
 def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):

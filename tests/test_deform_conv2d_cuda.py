@@ -26,6 +26,8 @@ SHAPES = {
     # tile (register-capped); with 520, three column tiles (the last of 8) and the grad_input kernel's 8-warp form
     "cout-256-wide-tile": (2, 64, 256, 13, 17, 3, 3, 1, 1, 1, 1, 1, "random"),
     "cout-520-three-n-tiles": (1, 40, 520, 7, 9, 3, 3, 1, 1, 1, 1, 1, None),
+    # two conv groups of 64 channels: grad_out tiles of each group, never resident (see test_tma_tiles_...)
+    "groups2-64": (3, 128, 128, 19, 25, 3, 3, 2, 1, 1, 1, 1, "random"),
 }
 NAMES = ("input", "offset", "weight", "bias", "mask")
 
@@ -107,6 +109,37 @@ def test_triton_matches_float64_reference(shape, dtype, layout):
         assert (g is None) == (r is None)
         if r is not None:
             assert_close(g, r, dtype, f"grad_{name}")
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64"])
+def test_tma_tiles_match_pointer_tiles(shape, dtype, monkeypatch):
+    """Every kernel's default config with Config.tma forced on, then off: the forward and grad_weight equal bit for
+    bit (the same products in the same order), and both runs match the float64 reference."""
+    import dataclasses
+
+    from deformconv.ops import deform_conv2d as kernels
+
+    args, kwargs = _case(shape, dtype, seed=17)
+    ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
+    runs = {}
+    for tma in (True, False):
+        for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
+            real = getattr(kernels, name)
+            monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
+        monkeypatch.setattr(kernels, "_PLANS", {})
+        monkeypatch.setattr(kernels, "_TUNED", {})
+        runs[tma] = _fwd_bwd(args, kwargs, "triton")
+        launches = [plan[k] for plan in kernels._PLANS.values() for k in ("fwd", "data", "weight") if k in plan]
+        assert len(launches) == 3 and all((r[1] if isinstance(r, tuple) else r).meta["TMA"] == tma for r in launches)
+        monkeypatch.undo()
+        out, grads = runs[tma]
+        assert_close(out, ref, dtype, f"output (tma={tma})")
+        for name, g, r in zip(NAMES, grads, ref_grads):
+            if r is not None:
+                assert_close(g, r, dtype, f"grad_{name} (tma={tma})")
+    assert torch.equal(runs[True][0], runs[False][0])
+    assert torch.equal(runs[True][1][2], runs[False][1][2])
 
 
 def test_float64_on_cuda_matches_torchvision():

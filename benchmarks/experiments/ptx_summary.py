@@ -34,9 +34,10 @@ def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: 
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             signature[name] = "constexpr"
-        elif name in pointers:
+        elif name in pointers:  # a pointer ('*fp16'), or a TMA descriptor ('tensordesc<fp16[32,256]>')
             signature[name] = pointers[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if pointers[name].startswith("*"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
         elif ints[name] == 1:
             signature[name] = "constexpr"
             constexprs[name] = 1
@@ -114,7 +115,8 @@ SHAPES = {"det-s4": ((8, 256, 256, 50, 76, 1), 256, 1), "hires-g8": ((16, 64, 64
 
 
 def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
-    """One line per (shape, tiling, kernel): static PTX counts (see counts)."""
+    """One line per (shape, tiling, kernel): static PTX counts (see counts). Tiles through TMA descriptors
+    (Config.tma) where the default configs take them: at det-s4, all three kernels."""
     h = "*fp16"
     fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
     data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h,
@@ -129,17 +131,22 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
             tag = f"{name} {'per-image' if per_image else 'flat'} tiles"
             bn = 256 if shape[2] >= 256 else 64
             bk = 64 if nseg == 1 else 32
-            log(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, fwd, dict(
+            tma = shape[2] >= 256
+            resident = shape[2] <= min(bn, 128)
+            go_desc = f"tensordesc<fp16[1,64,{bn}]>" if per_image else f"tensordesc<fp16[64,{bn}]>"
+            tma_fwd = dict(w_ptr=f"tensordesc<fp16[{bk},{bn}]>") if tma else {}
+            tma_data = dict(w_ptr=f"tensordesc<fp16[{bk},{min(bn, 128)}]>", go_ptr=go_desc.replace(str(bn), str(min(bn, 128))))
+            log(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, dict(fwd, **tma_fwd), dict(
                 common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=per_image, GROUPED=nseg > 1,
-                W_K_MAJOR=False, SAMPLE_AHEAD=False, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints, 8 if bn == 256 else 4)))  # fp16 layout
-            log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, data, dict(
+                W_K_MAJOR=False, SAMPLE_AHEAD=False, TMA=tma, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints,
+                8 if bn == 256 else 4)))  # fp16 layout
+            log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, dict(data, **(tma_data if tma else {})), dict(
                 common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, FIXED_GIN=False, EVEN_K=True,
-                PER_IMAGE=per_image, GO_RESIDENT=shape[2] <= min(bn, 128), TAP_SPLIT=1, GROUPED=nseg > 1, BLOCK_M=64, BLOCK_N=min(bn, 128),
-                BLOCK_K=bk), go_ints, 8 if bn == 256 else 4)))
-            log(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, weight, dict(
+                PER_IMAGE=per_image, GO_RESIDENT=resident, TAP_SPLIT=1, GROUPED=nseg > 1, TMA=tma and not resident,
+                BLOCK_M=64, BLOCK_N=min(bn, 128), BLOCK_K=bk), go_ints, 8 if bn == 256 else 4)))
+            log(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, dict(weight, **(dict(go_ptr=go_desc) if tma else {})), dict(
                 common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, PER_IMAGE=per_image, GROUPED=nseg > 1,
-                BLOCK_M=64,
-                BLOCK_N=bn, BLOCK_K=64), go_ints, 8)))
+                TMA=tma, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64), go_ints, 8)))
 
 if __name__ == "__main__":
     main()

@@ -15,7 +15,10 @@ where packed segments are whole offset groups, offset-grouped instead ([N, G, H,
 grouped_input), so that a corner pair is one run. Offset and mask are read NCHW (consecutive positions are
 consecutive addresses); the weight is repacked once per call to [groups, kh*kw, Cin/groups, Cout/groups]
 (tap-major B rows), or for the fp32 forward to [groups, kh*kw, Cout/groups, Cin/groups] (TF32 wgmma reads its B
-tile K-major only: weight_k_major). Offsets into the input and gradient buffers are int64.
+tile K-major only: weight_k_major). Offsets into the input and gradient buffers are int64. On Hopper some
+configs (Config.tma) read the weight tiles and grad_out tiles through TMA descriptors instead of per-thread copies:
+one bulk copy a tile, without the 64-bit address arithmetic and predicates of each thread's share (the corner
+gathers stay per-thread `cp.async`; Hopper's TMA has no gather).
 
 Precision: the GEMMs accumulate in fp32 (TF32 on the tensor cores for fp32 inputs only where
 torch.backends.cudnn.allow_tf32 permits). Sample points and bilinear weights are fp32. The forward blends the 4
@@ -47,6 +50,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+try:  # host-side TMA descriptors (Triton >= 3.3)
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: the kernels read every tile through pointers
+    TensorDescriptor = None
+
 from ..checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 
 # --- configs and heuristics ----------------------------------------------------------------------------
@@ -62,6 +70,7 @@ class Config:
     split: int = 1  # programs sharing one output tile: grad_weight's M reduction; the grad_input kernel's taps
     maxnreg: Optional[int] = None  # registers per thread at most (ptxas spills the rest); None: no limit
     sample_ahead: bool = False  # forward, long segments: each step's offsets and mask loaded a step ahead
+    tma: bool = False  # weight and grad_out tiles read through TMA descriptors where the call allows (_tma_plan)
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
@@ -208,10 +217,13 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
         # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
         # uncapped they are slower (0.240 at det-s4), 2 or 4 stages too (0.190 / 0.247)
-        # (measured without packed segments only)
+        # (measured without packed segments only); then (v17) the B tile through TMA: det-s4 0.164 -> 0.152 ms,
+        # det-s5 0.154 -> 0.145, cls-14 0.084 -> 0.075, bf16 det-s4 0.164 -> 0.151 (with TMA: 4 stages 0.219 at
+        # det-s4, 64-wide chunks 0.201, cls-14's 128x256 uncapped 0.081)
         cands = [Config(128, 256, min(bk, 32), 8, num_stages=3), Config(128, 256, bk, 8), Config(128, bn, min(bk, 32), 4)]
         if not _short_segments(geo, seg, "fwd"):
-            cands.insert(0, Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG))
+            wide = Config(64, 256, min(bk, 32), 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG)
+            cands[:0] = [dataclasses.replace(wide, tma=True), wide]
     elif _short_segments(geo, seg, "fwd"):
         cands = [Config(128, bn, min(bk, 32), 4), Config(128, bn, bk, 4)]
         if bn <= 64:
@@ -221,10 +233,22 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
             cands.insert(0, Config(64, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG))
     else:
         # each (tap, segment) step's offsets and mask loaded a step ahead, 3 stages (v15, H200, graph): det-s3 fp16
-        # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384
+        # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384; the B
+        # tile through TMA 0.227 -> 0.235 (v17, not taken)
         cands = [Config(128, bn, min(bk, 32), 4, num_stages=3, sample_ahead=True), Config(128, bn, min(bk, 32), 4)]
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
     return _unique(cands)[:4]
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether the kernels can read tiles through TMA descriptors on this device (Config.tma): a GPU of compute
+    capability 9.0 or later (the Tensor Memory Accelerator), or the CPU, where Triton's interpreter emulates them;
+    and a Triton with host-side descriptors."""
+    if TensorDescriptor is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
 
 
 def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device) -> int:
@@ -241,7 +265,15 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
+    # the weight and grad_out tiles through TMA where grad_out is not resident, with 64-wide chunks (v17, H200, the
+    # kernel, fp16, graph): det-s4 0.596 -> 0.552 ms, cls-14 0.280 -> 0.245 (32-wide: 0.588, 0.257); not at >= 512
+    # output channels (det-s5 0.412 -> 0.428) nor with packed segments (hires-g8 1.287 -> 1.294); no change where
+    # grad_out is resident (det-s3 0.950 -> 0.950). Only where TMA will be taken (the 64-wide chunk needs it:
+    # without TMA the tile keeps 32-wide chunks)
+    tma = (bn < cout_g < 512 and dtype != torch.float32 and cout_g % 8 == 0 and _even_k(geo, seg, bk, "bwd_data")
+           and tma_supported(device))
+    first = (Config(64, 128, bk, 8) if cout_g >= 512
+             else Config(64, bn, bk, 4, tma=True) if tma else Config(64, bn, min(bk, 32), 4))
     packed = _short_segments(geo, seg, "bwd_data") and first.num_warps == 4
     packed_first = Config(32, bn, min(bk, 32), 4)  # packed segments: 32-row tiles, uncapped (both modes)
     if fixed:
@@ -265,7 +297,7 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
             # 1.316, fp32 1.536 -> 1.544; (8,128,128,64,96,3,16) fp16 0.779 -> 0.546, fp32 0.831 -> 0.808. The
             # former default, 64 rows capped, stays a candidate
             cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
-            cands = [packed_first, dataclasses.replace(first, maxnreg=cap)] + cands[1:]
+            cands = [packed_first, Config(64, bn, min(bk, 32), 4, maxnreg=cap)] + cands[1:]
     return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])[:4]
 
 
@@ -273,7 +305,9 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     half = dtype != torch.float32
-    # (block_m, block_n, block_k, warps, stages, register cap)
+    # (block_m, block_n, block_k, warps, stages, register cap); the first of long segments in fp16/bf16 reads its
+    # grad_out tile through TMA (v17, H200, fp16): det-s3 0.365 -> 0.336 ms, det-s4 0.262 -> 0.234, det-s5 0.286
+    # -> 0.250, cls-14 0.175 -> 0.150, bf16 det-s4 0.264 -> 0.234; packed segments not (hires-g8 0.438 -> 0.443)
     narrow = (64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None)
     if not half:
         # fp32, unpipelined and capped at 168 (v14): det-s3 0.717 -> 0.648 ms (2 stages capped: 0.715-0.724)
@@ -297,6 +331,8 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
         cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device), maxnreg=maxnreg))
+    if half and not _short_segments(geo, seg, "bwd_weight"):
+        cands.insert(0, dataclasses.replace(cands[0], tma=True))
     return _unique(cands)[:4]
 
 
@@ -494,7 +530,7 @@ def _sample_loads(off_ptr, msk_ptr, off_row, msk_row, ch, L, m_valid, HAS_MASK: 
 @triton.jit
 def _sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK: tl.constexpr):
     """_sample_point from its _sample_loads. (The same arithmetic, written out again: _sample_point calling these two
-    builds other code for the grad_input kernel, 612 -> 608 instructions a chunk at det-s3, never measured.)"""
+    builds a longer grad_input chunk loop, 612 -> 648 instructions at det-s3, and measured 0.950 -> 0.963 ms; v17.)"""
     y = y_ref + dy.to(tl.float32)
     x = x_ref + dx.to(tl.float32)
     inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
@@ -723,12 +759,12 @@ def _mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
 
 
 @triton.jit
-def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G,
-                 KK: tl.constexpr, SEG: tl.constexpr, EVEN_K: tl.constexpr, W_K_MAJOR: tl.constexpr,
+def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, n0, W, CIN, CIN_G, COUT_G,
+                 KK: tl.constexpr, SEG: tl.constexpr, EVEN_K: tl.constexpr, W_K_MAJOR: tl.constexpr, TMA: tl.constexpr,
                  DOT_PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
     """The forward's K steps of one tap and (long) segment s of conv group gc: acc [BM, BN] += A·B over the
-    segment's channel chunks, A blended from the 4 corners of `sample` (_sample_point). The chunk loop is
-    pipelined by Triton (num_stages)."""
+    segment's channel chunks, A blended from the 4 corners of `sample` (_sample_point), B the weight tile of output
+    channels n0.. (through its TMA descriptor w_ptr if TMA). The chunk loop is pipelined by Triton (num_stages)."""
     p00, v00, v01, v10, v11, ly, lx, mv = sample
     w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
     dt = x_ptr.dtype.element_ty  # the blend's dtype (_blend): the weights rounded to it once a segment
@@ -741,7 +777,10 @@ def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W,
         k_ok = c0 + offs_k < SEG
         c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
         a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-        b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
+        if TMA:
+            b = w_ptr.load([(w_row + c0).to(tl.int32), n0])
+        else:
+            b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -752,7 +791,8 @@ def _deform_conv2d_fwd_kernel(
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
-    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if W_K_MAJOR
+    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if W_K_MAJOR;
+                  # if TMA a descriptor of it as [groups*KH*KW*Cin_g, Cout_g], blocks [BLOCK_K, BLOCK_N]
     b_ptr,        # bias [Cout]                              (read only if HAS_BIAS)
     out_ptr,      # output [N, Cout, Ho, Wo], strides below
     # sizes
@@ -772,6 +812,7 @@ def _deform_conv2d_fwd_kernel(
     PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
     SAMPLE_AHEAD: tl.constexpr,        # NSEG == 1 only: offsets and mask loaded one (tap, segment) step ahead
+    TMA: tl.constexpr,                 # B tiles through the descriptor w_ptr (N-major weight, EVEN_K only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
@@ -812,8 +853,11 @@ def _deform_conv2d_fwd_kernel(
             tap = step // tl.cdiv(CIN_G, BLOCK_K)
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
             row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
-            b = _weight_tile(w_ptr, (row0 + c0 + offs_k).to(tl.int64), row0.to(tl.int64), c0 + offs_k < CIN_G,
-                             n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
+            if TMA:
+                b = w_ptr.load([row0 + c0, pid_n * BLOCK_N])
+            else:
+                b = _weight_tile(w_ptr, (row0 + c0 + offs_k).to(tl.int64), row0.to(tl.int64), c0 + offs_k < CIN_G,
+                                 n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
             acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
             wt, wb, top, bottom = nwt, nwb, ntop, nbottom
     elif SAMPLE_AHEAD:  # --- K loop: (tap, segment) steps, each one's offsets and mask issued a step ahead ---
@@ -831,8 +875,8 @@ def _deform_conv2d_fwd_kernel(
                                           m_valid & (ts + 1 < n_steps), HAS_MASK)
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             sample = _sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-            acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G, KK,
-                               SEG, EVEN_K, W_K_MAJOR, DOT_PRECISION, BLOCK_K)
+            acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, pid_n * BLOCK_N, W, CIN,
+                               CIN_G, COUT_G, KK, SEG, EVEN_K, W_K_MAJOR, TMA, DOT_PRECISION, BLOCK_K)
     else:  # --- K loop: taps x segments x channel chunks (sample point reused across a segment's chunks) ---
         for tap in range(KK):
             y_ref, x_ref = _tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
@@ -840,8 +884,8 @@ def _deform_conv2d_fwd_kernel(
                 ch = ((gc * CIN_G + s * SEG) // COG) * KK + tap
                 sample = _sample_point(
                     off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref, pix_base, H, W, CIN, m_valid, HAS_MASK)
-                acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, W, CIN, CIN_G, COUT_G,
-                                   KK, SEG, EVEN_K, W_K_MAJOR, DOT_PRECISION, BLOCK_K)
+                acc = _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, pid_n * BLOCK_N, W, CIN,
+                                   CIN_G, COUT_G, KK, SEG, EVEN_K, W_K_MAJOR, TMA, DOT_PRECISION, BLOCK_K)
 
     # --- epilogue: bias, store in the output's layout ---
     co = gc * COUT_G + offs_n
@@ -872,24 +916,45 @@ def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale,
 
 
 @triton.jit
-def _grad_col(go_ptr, go_row, go_res, w_ptr, w_rows, k_ok, gc, m_valid, COUT_G, go_sc,
-              GO_RESIDENT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+def _grad_out_tile(go_ptr, tile, col, L, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The grad_out tile [BM, BN] of M tile `tile` (as _position_setup numbers them), channels col.., through its
+    TMA descriptor go_ptr: [N, Ho*Wo, Cout] in blocks [1, BM, BN] for PER_IMAGE tiles, else [M, Cout] in blocks
+    [BM, BN]. Rows past an image or past M read zeros."""
+    if PER_IMAGE:
+        tiles = tl.cdiv(L, BLOCK_M)
+        return tl.reshape(go_ptr.load([tile // tiles, (tile % tiles) * BLOCK_M, col]), (BLOCK_M, BLOCK_N))
+    else:
+        return go_ptr.load([tile * BLOCK_M, col])
+
+
+@triton.jit
+def _grad_col(go_ptr, go_row, go_res, w_ptr, w_row, k_ok, gc, m_valid, COUT_G, go_sc, pid_m, L,
+              GO_RESIDENT: tl.constexpr, TMA: tl.constexpr, PER_IMAGE: tl.constexpr, DOT_PRECISION: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """grad_col [BM, BK] = grad_out[:, conv group gc] @ Wp[w_rows]^T (fp32). With GO_RESIDENT the grad_out
-    tile is go_res, loaded once by the caller; else it is loaded here, N tile by N tile."""
+    """grad_col [BM, BK] = grad_out[:, conv group gc] @ Wp[w_row:w_row + BK]^T (fp32). With GO_RESIDENT the grad_out
+    tile is go_res, loaded once by the caller; else it is loaded here, N tile by N tile. With TMA the weight
+    tiles (and grad_out's, unless resident) come through the descriptors w_ptr and go_ptr (see the kernel)."""
     offs_n = tl.arange(0, BLOCK_N)
+    w_rows = w_row + tl.arange(0, BLOCK_K)
     if GO_RESIDENT:
-        wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + offs_n[:, None],
-                     mask=k_ok[None, :] & (offs_n < COUT_G)[:, None], other=0.0)
+        if TMA:
+            wt = w_ptr.load([w_row.to(tl.int32), 0]).T
+        else:
+            wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + offs_n[:, None],
+                         mask=k_ok[None, :] & (offs_n < COUT_G)[:, None], other=0.0)
         gcol = tl.dot(go_res.to(wt.dtype), wt, input_precision=DOT_PRECISION, out_dtype=tl.float32)
     else:
         gcol = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
         for n0 in range(0, COUT_G, BLOCK_N):
-            n_ok = n0 + offs_n < COUT_G
-            go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
-                         mask=m_valid[:, None] & n_ok[None, :], other=0.0)
-            wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + (n0 + offs_n)[:, None],
-                         mask=k_ok[None, :] & n_ok[:, None], other=0.0)
+            if TMA:
+                go = _grad_out_tile(go_ptr, pid_m, gc * COUT_G + n0, L, PER_IMAGE, BLOCK_M, BLOCK_N)
+                wt = w_ptr.load([w_row.to(tl.int32), n0]).T
+            else:
+                n_ok = n0 + offs_n < COUT_G
+                go = tl.load(go_ptr + go_row[:, None] + ((gc * COUT_G + n0 + offs_n).to(tl.int64) * go_sc)[None, :],
+                             mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+                wt = tl.load(w_ptr + w_rows[None, :] * COUT_G + (n0 + offs_n)[:, None],
+                             mask=k_ok[None, :] & n_ok[:, None], other=0.0)
             gcol = tl.dot(go.to(wt.dtype), wt, gcol, input_precision=DOT_PRECISION)
     return gcol
 
@@ -900,8 +965,9 @@ def _deform_conv2d_bwd_data_kernel(
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
-    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]
-    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
+    w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]; if TMA a descriptor of it as [groups*KH*KW*Cin_g,
+                  # Cout_g], blocks [BLOCK_K, BLOCK_N]
+    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA and not GO_RESIDENT a descriptor (_grad_out_tile)
     gin_ptr,      # grad_input in x's layout, zeroed (atomic adds; if NEED_GIN): fp32, or int64 if FIXED_GIN
     goff_ptr,     # grad_offset NCHW like offset (if NEED_GOFF)
     gmsk_ptr,     # grad_mask NCHW like mask (if NEED_GMSK)
@@ -923,6 +989,7 @@ def _deform_conv2d_bwd_data_kernel(
     GO_RESIDENT: tl.constexpr,    # one conv group and Cout <= BLOCK_N: the grad_out tile is loaded once
     TAP_SPLIT: tl.constexpr,      # programs per M tile, each taking a run of taps (more programs for few positions)
     GROUPED: tl.constexpr,        # NSEG > 1 only: input and grad_input in the offset-grouped layout
+    TMA: tl.constexpr,            # weight (and grad_out) tiles through descriptors (EVEN_K only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """Per M tile and run of taps: grad_col = grad_out @ Wp^T chunk by chunk on tensor cores, then scatter it
@@ -952,7 +1019,7 @@ def _deform_conv2d_bwd_data_kernel(
         go_res = tl.load(go_ptr + go_row[:, None] + (offs_n.to(tl.int64) * go_sc)[None, :],
                          mask=m_valid[:, None] & (offs_n < COUT_G)[None, :], other=0.0)
     else:
-        go_res = tl.zeros((BLOCK_M, BLOCK_N), dtype=go_ptr.dtype.element_ty)  # unused
+        go_res = tl.zeros((BLOCK_M, BLOCK_N), dtype=x_ptr.dtype.element_ty)  # unused
 
     if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
         offs_s = tl.arange(0, NSEG)
@@ -967,8 +1034,8 @@ def _deform_conv2d_bwd_data_kernel(
                     c_first = gc * CIN_G + c0 + offs_s * SEG
                     w_row = ((gc * KK + tap) * CIN_G + c0).to(tl.int64)
                     # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
-                    gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + offs_k, k_ok, gc, m_valid, COUT_G, go_sc,
-                                     GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                    gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row, k_ok, gc, m_valid, COUT_G, go_sc, pid_m, L,
+                                     GO_RESIDENT, TMA, PER_IMAGE, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
                     # --- corner pairs [BM, NSEG, 2, SEG], reductions over each group's channels, scatter ---
                     p00, v00, v01, v10, v11, ly, lx, mv = _chunk_sample_points(
                         off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, tap, COG, KK, L,
@@ -1019,8 +1086,9 @@ def _deform_conv2d_bwd_data_kernel(
                         cc = (c_lo + c0 + offs_k).to(tl.int64)[None, :]
                         c_ok = None if EVEN_K else k_ok[None, :]
                         # --- grad_col [BM, BK] = grad_out[:, group gc] @ Wp[gc, tap, chunk]^T ---
-                        gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + c0 + offs_k, k_ok, gc, m_valid, COUT_G,
-                                         go_sc, GO_RESIDENT, DOT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+                        gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + c0, k_ok, gc, m_valid, COUT_G, go_sc,
+                                         pid_m, L, GO_RESIDENT, TMA, PER_IMAGE, DOT_PRECISION, BLOCK_M, BLOCK_N,
+                                         BLOCK_K)
                         g3 = tl.reshape(gcol, (BLOCK_M, 1, BLOCK_K))
                         # --- corner pairs, sums over channels, scatter ---
                         if NEED_GMSK or NEED_GOFF:
@@ -1051,7 +1119,7 @@ def _deform_conv2d_bwd_weight_kernel(
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
-    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below
+    go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA a descriptor (_grad_out_tile)
     gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
     # sizes
     H, W, CIN, HO, WO, M,
@@ -1066,6 +1134,7 @@ def _deform_conv2d_bwd_weight_kernel(
     DOT_PRECISION: tl.constexpr,
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,        # NSEG > 1 only: the input in the offset-grouped layout
+    TMA: tl.constexpr,            # grad_out tiles through the descriptor go_ptr
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward.
@@ -1128,8 +1197,11 @@ def _deform_conv2d_bwd_weight_kernel(
             w00, w01, w10, w11 = _bilinear_weights(ly, lx, mv)
             a = _blend(w00, w01, w10, w11,  # in fp32 (see Precision in the module docstring)
                        c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32))
-        go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
-                     mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+        if TMA:
+            go = _grad_out_tile(go_ptr, mb, gc * COUT_G + pid_n * BLOCK_N, L, PER_IMAGE, BLOCK_M, BLOCK_N)
+        else:
+            go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
+                         mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
     # --- store this split's partial sum ---
@@ -1360,6 +1432,34 @@ class _Launch:
             self.runner = compiled[self.grid]
 
 
+def _tma_launch(cfg: Config, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[Tensor, int]]) -> bool:
+    """Whether a launch of cfg reads its tiles through TMA descriptors: the config asks for it, the device
+    supports it, the dtype is 16-bit (fp32 was never measured), channel chunks are whole (EVEN_K: a weight tile
+    past a segment's end would read the next segment's weights, and a non-finite weight there would leak into
+    this one's result), and TMA can address each operand (tensor, elements a row: channels): non-empty, a
+    16-byte-aligned base, rows a multiple of 16 bytes, fewer than 2**31 rows (int32 tile coordinates)."""
+    return (cfg.tma and dtype in (torch.float16, torch.bfloat16) and even_k
+            and all(t.numel() > 0 and t.data_ptr() % 16 == 0 and row * t.element_size() % 16 == 0
+                    and t.numel() // row < 2**31 for t, row in operands)
+            and tma_supported(operands[0][0].device))
+
+
+def _weight_descriptor(wp: Tensor, block_k: int, block_n: int):
+    """TMA descriptor of the packed weight [groups, kh*kw, Cin_g, Cout_g] as a [groups*kh*kw*Cin_g, Cout_g] matrix,
+    in [block_k, block_n] blocks (columns past Cout_g read zeros)."""
+    cout_g = wp.shape[-1]
+    return TensorDescriptor(wp, [wp.numel() // cout_g, cout_g], [cout_g, 1], [block_k, block_n])
+
+
+def _grad_out_descriptor(go: Tensor, per_image: bool, block_m: int, block_n: int):
+    """TMA descriptor of grad_out (dense NHWC) for _grad_out_tile: [N, Ho*Wo, Cout] in [1, block_m, block_n] blocks
+    for per-image M tiles, else [M, Cout] in [block_m, block_n] blocks."""
+    n, c, h, w = go.shape
+    if per_image:
+        return TensorDescriptor(go, [n, h * w, c], [h * w * c, c, 1], [1, block_m, block_n])
+    return TensorDescriptor(go, [n * h * w, c], [c, 1], [block_m, block_n])
+
+
 def _operands(offset: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """Offset and mask as the kernels read them: contiguous (a missing mask stays None)."""
     return offset.contiguous(), mask.contiguous() if mask is not None else None
@@ -1395,17 +1495,21 @@ def deform_conv2d_forward(
         grid = (_m_tiles(geo, cfg.block_m, per_image) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n),
                 geo.groups)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
+        even_k = _even_k(geo, seg, cfg.block_k, "fwd")
+        tma = not plan["k_major"] and _tma_launch(cfg, input.dtype, even_k, [(wp, wp.shape[-1])])
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
-                    HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=_even_k(geo, seg, cfg.block_k, "fwd"),
+                    HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
                     DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
-                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                    BLOCK_K=cfg.block_k, **cfg.launch_options())
+                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma, BLOCK_M=cfg.block_m,
+                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
-        run(x, off, msk, wp, b, out)
+        run(x, off, msk, _weight_descriptor(wp, cfg.block_k, cfg.block_n) if tma else wp, b, out)
         return run
 
     if "fwd" in plan:
-        plan["fwd"](x, off, msk, wp, b, out)
+        run = plan["fwd"]
+        w_op = _weight_descriptor(wp, run.meta["BLOCK_K"], run.meta["BLOCK_N"]) if run.meta["TMA"] else wp
+        run(x, off, msk, w_op, b, out)
     else:
         shape_class = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
         cfg = _pick_config(shape_class, _fwd_candidates(geo, seg, input.dtype), launch, input.device)
@@ -1533,17 +1637,32 @@ def _backward_images(
         gmsk = grad_mask if need_mask else off
         scale = scales[0] if fixed_gin else off
 
+        def data_operands(run: _Launch) -> Tuple:
+            """The weight and grad_out arguments of a grad_input launch: tensors, or with TMA descriptors (grad_out
+            stays a tensor where it is resident)."""
+            m = run.meta
+            if not m["TMA"]:
+                return wp, go
+            go_op = go if m["GO_RESIDENT"] else _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"])
+            return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"]), go_op
+
         def launch_data(cfg: Config) -> _Launch:
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
             per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
+            even_k = _even_k(geo, seg, cfg.block_k, "bwd_data")
+            resident = go_resident(geo, cfg.block_n)
+            # grad_out tiles through TMA: dense NHWC, and a tile never reaches into the next conv group's channels
+            go_tma_ok = resident or (go.is_contiguous(memory_format=torch.channels_last)
+                                     and (geo.groups == 1 or cout_g % cfg.block_n == 0))
+            tma = not fixed_gin and go_tma_ok and _tma_launch(cfg, input.dtype, even_k,
+                                                              [(wp, cout_g), (go, geo.out_channels)])
             data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
-                             FIXED_GIN=fixed_gin,
-                             EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_data"), PER_IMAGE=per_image,
-                             GO_RESIDENT=go_resident(geo, cfg.block_n), TAP_SPLIT=cfg.split, BLOCK_M=cfg.block_m,
-                             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+                             FIXED_GIN=fixed_gin, EVEN_K=even_k, PER_IMAGE=per_image, GO_RESIDENT=resident,
+                             TAP_SPLIT=cfg.split, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, **cfg.launch_options())
             run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image), cfg.split), args,
                           data_meta)
-            run(x, off, msk, wp, go, gin, goff, gmsk, scale)
+            run(x, off, msk, *data_operands(run), gin, goff, gmsk, scale)
             return run
 
         if "data" not in plan:
@@ -1557,7 +1676,7 @@ def _backward_images(
         else:
             if need_in:
                 gin.zero_()
-            plan["data"](x, off, msk, wp, go, gin, goff, gmsk, scale)
+            plan["data"](x, off, msk, *data_operands(plan["data"]), gin, goff, gmsk, scale)
         # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
         # accumulator is freed: grad_weight's partials below take its place
         if need_in:
@@ -1572,22 +1691,31 @@ def _backward_images(
             return torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
                                dtype=torch.float32, device=input.device)
 
+        def weight_go(run: _Launch):
+            """grad_weight's grad_out argument: the tensor, or its TMA descriptor."""
+            m = run.meta
+            return _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"]) if m["TMA"] else go
+
         def launch_weight(cfg: Config):
             part = partials(cfg.split)
             grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
-            weight_meta = dict(meta, NSEG=nseg, EVEN_K=_even_k(geo, seg, cfg.block_k, "bwd_weight"),
+            even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
+            # grad_out tiles through TMA (see launch_data; its chunks need not be whole: no weight tile here)
+            tma = (go.is_contiguous(memory_format=torch.channels_last) and (geo.groups == 1 or cout_g % cfg.block_n == 0)
+                   and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
+            weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
                                PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype), BLOCK_M=cfg.block_m,
                                BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
             run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
                           weight_meta)
-            run(x, off, msk, go, part)
+            run(x, off, msk, weight_go(run), part)
             return part, run
 
         if "weight" in plan:
             split, run = plan["weight"]
             part = partials(split)
-            run(x, off, msk, go, part)
+            run(x, off, msk, weight_go(run), part)
         else:
             shape_class = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
             cfg = _pick_config(
