@@ -70,7 +70,7 @@ class Config:
     split: int = 1  # programs sharing one output tile: grad_weight's M reduction; the grad_input kernel's taps
     maxnreg: Optional[int] = None  # registers per thread at most (ptxas spills the rest); None: no limit
     sample_ahead: bool = False  # forward, long segments: each step's offsets and mask loaded a step ahead
-    tma: bool = False  # weight and grad_out tiles read through TMA descriptors where the call allows (_tma_plan)
+    tma: bool = False  # weight and grad_out tiles read through TMA descriptors where the call allows (_tma_launch)
 
     def launch_options(self) -> dict:
         """Triton's launch options of this config."""
@@ -1200,7 +1200,8 @@ def _deform_conv2d_bwd_weight_kernel(
         if TMA:
             go = _grad_out_tile(go_ptr, mb, gc * COUT_G + pid_n * BLOCK_N, L, PER_IMAGE, BLOCK_M, BLOCK_N)
         else:
-            go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + ((gc * COUT_G + offs_n).to(tl.int64) * go_sc)[None, :],
+            go_cols = (gc * COUT_G + offs_n).to(tl.int64) * go_sc
+            go = tl.load(go_ptr + (n_img * go_sn + l * go_sl)[:, None] + go_cols[None, :],
                          mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
@@ -1702,11 +1703,12 @@ def _backward_images(
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
             even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
             # grad_out tiles through TMA (see launch_data; its chunks need not be whole: no weight tile here)
-            tma = (go.is_contiguous(memory_format=torch.channels_last) and (geo.groups == 1 or cout_g % cfg.block_n == 0)
+            tma = (go.is_contiguous(memory_format=torch.channels_last)
+                   and (geo.groups == 1 or cout_g % cfg.block_n == 0)
                    and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
             weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
-                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype), BLOCK_M=cfg.block_m,
-                               BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
+                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
             run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
                           weight_meta)
             run(x, off, msk, weight_go(run), part)
