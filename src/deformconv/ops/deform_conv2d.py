@@ -268,8 +268,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     # the weight and grad_out tiles through TMA where grad_out is not resident, with 64-wide chunks (v17, H200, the
     # kernel, fp16, graph): det-s4 0.596 -> 0.552 ms, cls-14 0.280 -> 0.245 (32-wide: 0.588, 0.257); not at >= 512
     # output channels (det-s5 0.412 -> 0.428) nor with packed segments (hires-g8 1.287 -> 1.294); no change where
-    # grad_out is resident (det-s3 0.950 -> 0.950). Only where TMA will be taken (the 64-wide chunk needs it:
-    # without TMA the tile keeps 32-wide chunks)
+    # grad_out is resident (det-s3 0.950 -> 0.950). The 64-wide chunks spill 128 bytes a thread at 255 registers
+    # (sm_90 build) and still ran faster; measured only with TMA, so taken only where TMA will be (else 32-wide)
     tma = (bn < cout_g < 512 and dtype != torch.float32 and cout_g % 8 == 0 and _even_k(geo, seg, bk, "bwd_data")
            and tma_supported(device))
     first = (Config(64, 128, bk, 8) if cout_g >= 512
