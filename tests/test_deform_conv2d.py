@@ -397,6 +397,8 @@ def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, co
 WIDE_CASES = {  # >= 256 output channels a group: the wide tiles (see the GPU tests' shapes of the same names)
     "cout-256-wide-tile": dict(n=1, cin=64, cout=256, h=5, w=6, kh=3, kw=3, padding=1),
     "cout-520-three-n-tiles": dict(n=1, cin=40, cout=520, h=4, w=5, kh=3, kw=3, padding=1, mask=None),
+    # 512 channels, whole 64-wide chunks: in 16 bits the grad_input kernel's 4-warp TMA tile, 4 grad_out N tiles
+    "cout-512-tma": dict(n=1, cin=64, cout=512, h=3, w=5, kh=3, kw=3, padding=1),
 }
 
 
@@ -408,8 +410,8 @@ def _reference(x, offset, weight, bias, stride, padding, dilation, mask):
 @pytest.mark.parametrize("config", list(WIDE_CASES), ids=list(WIDE_CASES))
 def test_wide_configs(backend, dtype, config, monkeypatch):
     """The default configs for >= 256 output channels a group (the forward's 64x256 tile, grad_weight's 256-column
-    tile, the grad_input kernel's 8-warp form at >= 512), with a partial last column tile at 520, give the float64
-    reference's output and gradients."""
+    tile, the grad_input kernel's 8-warp form at >= 512 without TMA, its 4-warp TMA form in 16 bits with whole
+    chunks), with a partial last column tile at 520, give the float64 reference's output and gradients."""
     from deformconv.ops import deform_conv2d as kernels
 
     monkeypatch.setattr(kernels, "_PLANS", {})
@@ -418,7 +420,9 @@ def test_wide_configs(backend, dtype, config, monkeypatch):
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
     used = {key[0]: cfg for key, cfg in kernels.chosen_configs().items()}
     assert used["fwd"].block_n == 256 and used["bwd_weight"].block_n == 256
-    assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 else 4)
+    tma = dtype != torch.float32 and WIDE_CASES[config]["cin"] % 64 == 0
+    assert used["bwd_data"].tma == tma
+    assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 and not tma else 4)
 
 
 # Config.tma: weight and grad_out tiles read through TMA descriptors (16-bit dtypes, whole channel chunks)

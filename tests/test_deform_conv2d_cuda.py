@@ -28,6 +28,8 @@ SHAPES = {
     "cout-520-three-n-tiles": (1, 40, 520, 7, 9, 3, 3, 1, 1, 1, 1, 1, None),
     # two conv groups of 64 channels: grad_out tiles of each group, never resident (see test_tma_tiles_...)
     "groups2-64": (3, 128, 128, 19, 25, 3, 3, 2, 1, 1, 1, 1, "random"),
+    # 512 channels in whole 64-wide chunks: the grad_input kernel's 4-warp TMA tile in 16 bits (8 warps in fp32)
+    "cout-512-tma": (2, 64, 512, 9, 13, 3, 3, 1, 1, 1, 1, 1, "random"),
 }
 NAMES = ("input", "offset", "weight", "bias", "mask")
 
@@ -112,7 +114,7 @@ def test_triton_matches_float64_reference(shape, dtype, layout):
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float16, torch.bfloat16)])
-@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64"])
+@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64", "cout-512-tma"])
 def test_tma_tiles_match_pointer_tiles(shape, dtype, monkeypatch):
     """Every kernel's default config with Config.tma forced on, then off: the forward and grad_weight equal bit for
     bit (the same products in the same order), and both runs match the float64 reference."""

@@ -265,16 +265,19 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
-    # the weight and grad_out tiles through TMA where grad_out is not resident, with 64-wide chunks (v17, H200, the
-    # kernel, fp16, graph): det-s4 0.596 -> 0.552 ms, cls-14 0.280 -> 0.245 (32-wide: 0.588, 0.257); not at >= 512
-    # output channels (det-s5 0.412 -> 0.428) nor with packed segments (hires-g8 1.287 -> 1.294); no change where
-    # grad_out is resident (det-s3 0.950 -> 0.950). The 64-wide chunks spill 128 bytes a thread at 255 registers
-    # (sm_90 build) and still ran faster; measured only with TMA, so taken only where TMA will be (else 32-wide)
-    tma = (bn < cout_g < 512 and dtype != torch.float32 and cout_g % 8 == 0 and _even_k(geo, seg, bk, "bwd_data")
-           and tma_supported(device))
-    first = (Config(64, 128, bk, 8) if cout_g >= 512
-             else Config(64, bn, bk, 4, tma=True) if tma else Config(64, bn, min(bk, 32), 4))
-    packed = _short_segments(geo, seg, "bwd_data") and first.num_warps == 4
+    # the weight and grad_out tiles through TMA where grad_out is not resident, with 64-wide chunks in 4 warps (v17,
+    # H200, the kernel, fp16, graph): det-s4 0.596 -> 0.552 ms, cls-14 0.280 -> 0.245 (32-wide: 0.588, 0.257), det-s5
+    # 0.410 -> 0.387 (against its 8-warp tile; that tile with TMA: 0.428); not with packed segments (hires-g8 1.287
+    # -> 1.294); no change where grad_out is resident (det-s3 0.950 -> 0.950). The 64-wide chunks spill 128 bytes a
+    # thread at 255 registers (sm_90 build) and still ran faster; measured only with TMA, so taken only where TMA
+    # will be (else the tiles stay as before)
+    packed = _short_segments(geo, seg, "bwd_data") and cout_g < 512
+    tma = (bn < cout_g and dtype != torch.float32 and cout_g % 8 == 0 and not _short_segments(geo, seg, "bwd_data")
+           and _even_k(geo, seg, bk, "bwd_data") and tma_supported(device))
+    if tma:
+        first = Config(64, bn, bk, 4, tma=True)
+    else:
+        first = Config(64, 128, bk, 8) if cout_g >= 512 else Config(64, bn, min(bk, 32), 4)
     packed_first = Config(32, bn, min(bk, 32), 4)  # packed segments: 32-row tiles, uncapped (both modes)
     if fixed:
         # deterministic mode (int64 fixed-point adds, twice the scatter's registers), H200, the kernel alone, graph ms
