@@ -271,8 +271,9 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     # -> 1.294); no change where grad_out is resident (det-s3 0.950 -> 0.950). The 64-wide chunks spill 128 bytes a
     # thread at 255 registers (sm_90 build) and still ran faster; measured only with TMA, so taken only where TMA
     # will be (else the tiles stay as before)
-    packed = _short_segments(geo, seg, "bwd_data") and cout_g < 512
-    tma = (bn < cout_g and dtype != torch.float32 and cout_g % 8 == 0 and not _short_segments(geo, seg, "bwd_data")
+    short = _short_segments(geo, seg, "bwd_data")
+    packed = short and cout_g < 512
+    tma = (bn < cout_g and dtype != torch.float32 and cout_g % 8 == 0 and not short
            and _even_k(geo, seg, bk, "bwd_data") and tma_supported(device))
     if tma:
         first = Config(64, bn, bk, 4, tma=True)
@@ -1455,6 +1456,13 @@ def _weight_descriptor(wp: Tensor, block_k: int, block_n: int):
     return TensorDescriptor(wp, [wp.numel() // cout_g, cout_g], [cout_g, 1], [block_k, block_n])
 
 
+def _grad_out_tma_ok(go: Tensor, geo: ConvGeometry, block_n: int) -> bool:
+    """Whether grad_out's tiles can come through _grad_out_descriptor (beside _tma_launch's checks): dense NHWC, and
+    a tile of block_n channels never reaches into the next conv group's channels."""
+    cout_g = geo.out_channels // geo.groups
+    return go.is_contiguous(memory_format=torch.channels_last) and (geo.groups == 1 or cout_g % block_n == 0)
+
+
 def _grad_out_descriptor(go: Tensor, per_image: bool, block_m: int, block_n: int):
     """TMA descriptor of grad_out (dense NHWC) for _grad_out_tile: [N, Ho*Wo, Cout] in [1, block_m, block_n] blocks
     for per-image M tiles, else [M, Cout] in [block_m, block_n] blocks."""
@@ -1493,6 +1501,11 @@ def deform_conv2d_forward(
                       memory_format=plan["memory_format"])
 
     # --- launch ---
+    def weight_operand(run: _Launch):
+        """The forward's weight argument: the packed tensor, or its TMA descriptor."""
+        m = run.meta
+        return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"]) if m["TMA"] else wp
+
     def launch(cfg: Config) -> _Launch:
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
         per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg, input.dtype)
@@ -1507,13 +1520,11 @@ def deform_conv2d_forward(
                     GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma, BLOCK_M=cfg.block_m,
                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
-        run(x, off, msk, _weight_descriptor(wp, cfg.block_k, cfg.block_n) if tma else wp, b, out)
+        run(x, off, msk, weight_operand(run), b, out)
         return run
 
     if "fwd" in plan:
-        run = plan["fwd"]
-        w_op = _weight_descriptor(wp, run.meta["BLOCK_K"], run.meta["BLOCK_N"]) if run.meta["TMA"] else wp
-        run(x, off, msk, w_op, b, out)
+        plan["fwd"](x, off, msk, weight_operand(plan["fwd"]), b, out)
     else:
         shape_class = _shape_class("fwd", geo, input.dtype, seg, mask is not None)
         cfg = _pick_config(shape_class, _fwd_candidates(geo, seg, input.dtype), launch, input.device)
@@ -1655,9 +1666,8 @@ def _backward_images(
             per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
             even_k = _even_k(geo, seg, cfg.block_k, "bwd_data")
             resident = go_resident(geo, cfg.block_n)
-            # grad_out tiles through TMA: dense NHWC, and a tile never reaches into the next conv group's channels
-            go_tma_ok = resident or (go.is_contiguous(memory_format=torch.channels_last)
-                                     and (geo.groups == 1 or cout_g % cfg.block_n == 0))
+            # a resident grad_out tile is loaded once through pointers; the weight's come through TMA
+            go_tma_ok = resident or _grad_out_tma_ok(go, geo, cfg.block_n)
             tma = not fixed_gin and go_tma_ok and _tma_launch(cfg, input.dtype, even_k,
                                                               [(wp, cout_g), (go, geo.out_channels)])
             data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
@@ -1705,9 +1715,8 @@ def _backward_images(
             grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
             nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
             even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
-            # grad_out tiles through TMA (see launch_data; its chunks need not be whole: no weight tile here)
-            tma = (go.is_contiguous(memory_format=torch.channels_last)
-                   and (geo.groups == 1 or cout_g % cfg.block_n == 0)
+            # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)
+            tma = (_grad_out_tma_ok(go, geo, cfg.block_n)
                    and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
             weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
                                PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
