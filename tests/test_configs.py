@@ -118,20 +118,25 @@ def test_grad_weight_tile_of_wide_layers(shape, dtype, block_n):
     assert first.block_n == block_n
 
 
-@pytest.mark.parametrize("shape,sms,split", [("det-s5", 132, 3), ("det-s4", 132, 1), ("cls-14", 132, 1),
-                                             ("det-s4", 1000, 3), ("1x1", 132, 1)])
-def test_grad_input_kernel_splits_taps_when_tiles_are_fewer_than_multiprocessors(shape, sms, split, monkeypatch):
-    """The grad_input kernel's tap split (Config.split): 3 programs per M tile when the M tiles (64 rows) are
-    fewer than the multiprocessors, at most one per tap; never on the CPU (the interpreter)."""
+@pytest.mark.parametrize("shape,sms,split,fixed_split", [
+    ("det-s5", 132, 9, 3), ("det-s4", 132, 1, 1), ("cls-14", 132, 9, 1), ("cls-14", 64, 1, 1), ("det-s4", 1000, 9, 3),
+    ("1x1", 132, 1, 1), ("7x7", 132, 9, 3),
+])
+def test_grad_input_kernel_splits_taps_when_tiles_are_few(shape, sms, split, fixed_split, monkeypatch):
+    """The grad_input kernel's tap split (Config.split), M tiles of 64 rows: one program per tap (at most 9) when the
+    tiles are fewer than two per multiprocessor; in deterministic mode 3 when they are fewer than the
+    multiprocessors; never more programs than taps, never on the CPU (the interpreter)."""
     monkeypatch.setattr(deform_ops, "_sm_count", lambda device: sms)
     monkeypatch.setattr(deform_ops, "tma_supported", lambda device: True)  # no GPU to ask here
+    small = dict(batch=1, in_channels=8, height=5, width=5, out_channels=8, groups=1, offset_groups=1, stride=(1, 1),
+                 dilation=(1, 1), out_h=5, out_w=5)
     geo = {"det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38), "cls-14": _geo(n=64, h=14, w=14),
-           "1x1": ConvGeometry(batch=1, in_channels=8, height=5, width=5, out_channels=8, kernel_h=1, kernel_w=1, groups=1,
-                               offset_groups=1, stride=(1, 1), padding=(0, 0), dilation=(1, 1), out_h=5, out_w=5)}[shape]
+           "1x1": ConvGeometry(kernel_h=1, kernel_w=1, padding=(0, 0), **small),
+           "7x7": ConvGeometry(kernel_h=7, kernel_w=7, padding=(3, 3), **small)}[shape]
     seg = deform_ops.segment_length(geo)
     for fixed in (False, True):
         cands = deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cuda"), fixed)
-        assert {c.split for c in cands} == {split}
+        assert {c.split for c in cands} == {fixed_split if fixed else split}
         assert {c.split for c in deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cpu"), fixed)} == {1}
 
 
@@ -323,14 +328,17 @@ BENCH_GEOS = {"det-s3": _geo(128, 128, h=100, w=152), "det-s4": _geo(), "det-s5"
 @pytest.mark.parametrize("shape,dtype,fwd,data,weight", [
     ("det-s3", torch.float16, False, False, True), ("det-s4", torch.float16, True, True, True),
     ("det-s5", torch.bfloat16, True, True, True), ("cls-14", torch.float16, True, True, True),
-    ("hires-g8", torch.float16, False, False, False), ("det-s4", torch.float32, False, False, False),
+    ("hires-g8", torch.float16, False, False, False), ("det-s4", torch.float32, True, True, True),
+    ("det-s3", torch.float32, True, True, True), ("det-s5", torch.float32, True, True, True),
+    ("hires-g8", torch.float32, False, False, False),
 ])
 def test_tma_where_measured_faster(shape, dtype, fwd, data, weight):
-    """Config.tma on the default configs where it measured faster on the H200 (v17): the forward's 64x256 tile
-    (det-s4 0.164 -> 0.152 ms), the grad_input kernel where grad_out is not resident, in 4 warps (cls-14 0.280 ->
-    0.245, det-s5 0.410 -> 0.387 in 4 warps instead of 8), grad_weight with long segments in 16 bits (det-s4 0.262
-    -> 0.234). Not the 128x128 forward (det-s3 +3%), packed segments, or fp32 (never measured; _tma_launch refuses it
-    as well)."""
+    """Config.tma on the default configs where it measured faster on the H200 (v17, v18): in 16 bits the forward's
+    64x256 tile (det-s4 0.164 -> 0.152 ms), the grad_input kernel where grad_out is not resident, in 4 warps (cls-14
+    0.280 -> 0.245, det-s5 0.410 -> 0.387 in 4 warps instead of 8), grad_weight with long segments (det-s4 0.262 ->
+    0.234); in fp32 all three with long segments, grad_out resident or not (det-s5 grad_input 1.011 -> 0.678,
+    det-s3 forward 0.428 -> 0.400). Not the 16-bit 128x128 forward (det-s3 +3%), packed segments, or the
+    deterministic grad_input kernel (never measured)."""
     geo = BENCH_GEOS[shape]
     seg, cpu = deform_ops.segment_length(geo), torch.device("cpu")
     assert deform_ops._fwd_candidates(geo, seg, dtype)[0].tma == fwd
@@ -340,15 +348,17 @@ def test_tma_where_measured_faster(shape, dtype, fwd, data, weight):
 
 
 def test_tma_launch_refusals(monkeypatch):
-    """_tma_launch says no unless the config asks, the dtype is 16-bit, chunks are whole, the device has TMA and
-    every operand is addressable (16-byte aligned, rows of a multiple of 16 bytes, not empty)."""
+    """_tma_launch says no unless the config asks, the dtype is fp16, bf16 or fp32, chunks are whole, the device has
+    TMA and every operand is addressable (16-byte aligned, rows of a multiple of 16 bytes, not empty)."""
     asks, plain = deform_ops.Config(64, 256, 32, 8, tma=True), deform_ops.Config(64, 256, 32, 8)
     w = torch.empty(3, 9, 32, 24, dtype=torch.float16)
     ok = [(w, 24)]
     assert deform_ops._tma_launch(asks, torch.float16, True, ok)
     assert deform_ops._tma_launch(asks, torch.bfloat16, True, ok)
     assert not deform_ops._tma_launch(plain, torch.float16, True, ok)
-    assert not deform_ops._tma_launch(asks, torch.float32, True, ok)
+    assert deform_ops._tma_launch(asks, torch.float32, True, [(w.float(), 24)])
+    assert not deform_ops._tma_launch(asks, torch.float32, True, [(torch.empty(3, 9, 32, 6), 6)])  # 24-byte rows
+    assert not deform_ops._tma_launch(asks, torch.float64, True, ok)
     assert not deform_ops._tma_launch(asks, torch.float16, False, ok)
     assert not deform_ops._tma_launch(asks, torch.float16, True, [(torch.empty(3, 9, 32, 20, dtype=torch.float16), 20)])
     assert not deform_ops._tma_launch(asks, torch.float16, True, [(torch.empty(8 * 24 + 1, dtype=torch.float16)[1:], 24)])

@@ -397,7 +397,7 @@ def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, co
 WIDE_CASES = {  # >= 256 output channels a group: the wide tiles (see the GPU tests' shapes of the same names)
     "cout-256-wide-tile": dict(n=1, cin=64, cout=256, h=5, w=6, kh=3, kw=3, padding=1),
     "cout-520-three-n-tiles": dict(n=1, cin=40, cout=520, h=4, w=5, kh=3, kw=3, padding=1, mask=None),
-    # 512 channels, whole 64-wide chunks: in 16 bits the grad_input kernel's 4-warp TMA tile, 4 grad_out N tiles
+    # 512 channels in whole chunks (64-wide in 16 bits, 32 in fp32): the grad_input kernel's 4-warp TMA tile
     "cout-512-tma": dict(n=1, cin=64, cout=512, h=3, w=5, kh=3, kw=3, padding=1),
 }
 
@@ -410,8 +410,8 @@ def _reference(x, offset, weight, bias, stride, padding, dilation, mask):
 @pytest.mark.parametrize("config", list(WIDE_CASES), ids=list(WIDE_CASES))
 def test_wide_configs(backend, dtype, config, monkeypatch):
     """The default configs for >= 256 output channels a group (the forward's 64x256 tile, grad_weight's 256-column
-    tile, the grad_input kernel's 8-warp form at >= 512 without TMA, its 4-warp TMA form in 16 bits with whole
-    chunks), with a partial last column tile at 520, give the float64 reference's output and gradients."""
+    tile, the grad_input kernel's 8-warp form at >= 512 without TMA, its 4-warp TMA form with whole chunks), with a
+    partial last column tile at 520, give the float64 reference's output and gradients."""
     from deformconv.ops import deform_conv2d as kernels
 
     monkeypatch.setattr(kernels, "_PLANS", {})
@@ -420,12 +420,12 @@ def test_wide_configs(backend, dtype, config, monkeypatch):
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
     used = {key[0]: cfg for key, cfg in kernels.chosen_configs().items()}
     assert used["fwd"].block_n == 256 and used["bwd_weight"].block_n == 256
-    tma = dtype != torch.float32 and WIDE_CASES[config]["cin"] % 64 == 0
+    tma = WIDE_CASES[config]["cin"] % (32 if dtype == torch.float32 else 64) == 0  # whole chunks
     assert used["bwd_data"].tma == tma
     assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 and not tma else 4)
 
 
-# Config.tma: weight and grad_out tiles read through TMA descriptors (16-bit dtypes, whole channel chunks)
+# Config.tma: weight and grad_out tiles read through TMA descriptors (fp16, bf16, fp32; whole channel chunks)
 TMA_CASES = {
     # long segments; 24 output channels in a 32-column tile (the descriptor reads zeros past them); grad_out
     # resident in the grad_input kernel unless the tiles are flat
@@ -435,7 +435,6 @@ TMA_CASES = {
     # packed segments (8 offset groups of 8 channels), the forward's flat step loop
     "og8-packed": dict(n=2, cin=64, cout=16, h=4, w=5, kh=3, kw=3, offset_groups=8, padding=1),
 }
-TMA_BACKENDS = [p for p in TRITON_BACKENDS if p.values[1] != torch.float32]  # fp32 never takes TMA
 
 
 def _force_tma(kernels, monkeypatch, tma):
@@ -449,7 +448,7 @@ def _force_tma(kernels, monkeypatch, tma):
     monkeypatch.setattr(kernels, "_TUNED", {})
 
 
-@pytest.mark.parametrize("backend,dtype", TMA_BACKENDS)
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
 @pytest.mark.parametrize("config", list(TMA_CASES), ids=list(TMA_CASES))
 def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkeypatch):

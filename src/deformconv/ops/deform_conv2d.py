@@ -205,14 +205,17 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         # packed segments (v14): hires-g8 0.807 (N-major, 128,64,32,4) -> 0.591 ms at (64,64,16,4,3); 4 stages equal,
         # 2 stages 0.736, 32 rows 0.601, 128 rows 0.641, 8 warps 0.787, 32-wide chunks 0.834, capped at 168 0.707
         # the sample points a step ahead (v15): det-s3 0.448 -> 0.427 ms; not for the 64x256 tile (+1.5% at det-s4/s5)
+        # the K-major B tile through TMA (v18, graph): det-s3 0.428 -> 0.400 ms, det-s4 0.296 -> 0.286, det-s5 0.273
+        # -> 0.257, cls-14 0.144 -> 0.133; packed segments not (hires-g8 0.599 -> 0.593, within noise)
         if cout_g >= 256:
-            cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG),
+            cands = [Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG, tma=True),
+                     Config(64, 256, 16, 8, num_stages=3, maxnreg=FWD_WIDE_MAXNREG),
                      Config(128, 256, 16, 8, num_stages=3), Config(128, 256, bk, 8)]
         elif _short_segments(geo, seg, "fwd"):
             cands = [Config(64, bn, 16, 4, num_stages=3), Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
         else:
-            cands = [Config(128, bn, 16, 4, num_stages=3, sample_ahead=True), Config(128, bn, 16, 4, num_stages=3),
-                     Config(128, bn, bk, 4)]
+            cands = [Config(128, bn, 16, 4, num_stages=3, sample_ahead=True, tma=True),
+                     Config(128, bn, 16, 4, num_stages=3), Config(128, bn, bk, 4)]
     elif cout_g >= 256:  # fp16/bf16 (fp32 took the K-major branch)
         # 3 stages: det-s4 0.208 -> 0.188 ms, cls-14 -6%, det-s5 -3%; then 64-row tiles capped at 128 registers,
         # two CTAs an SM: det-s4 0.187 -> 0.178 fp16 (0.182 bf16), det-s5 0.170 -> 0.165, cls-14 0.090 (equal);
@@ -251,13 +254,19 @@ def tma_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device) -> int:
-    """The grad_input kernel's programs per M tile (each takes a run of taps): 3 when the M tiles are fewer
-    than the GPU's multiprocessors, else 1. Measured on the H200 (fp16, benchmarks/NOTES.md): det-s5's 120
-    tiles 0.510 -> 0.485 ms (split 2: 0.488); no gain with 256 or more tiles (cls-14 -2%, det-s4 +1 to +8%)."""
+def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool = False) -> int:
+    """The grad_input kernel's programs per M tile (each takes a run of taps). Default mode: one program per tap (at
+    most 9) when the M tiles are fewer than two per multiprocessor (less than one wave of its 2 resident 4-warp
+    programs), else 1. Measured on the H200 (v18, the kernel, graph): det-s5's 119 tiles, split 3 -> 9: fp16 0.397 ->
+    0.325 ms, bf16 0.395 -> 0.327, fp32 0.677 -> 0.596 (split 5: 0.336, 6: 0.342 fp16); cls-14's 196 (split 1 -> 9)
+    0.246 -> 0.227 fp16; det-s4's 475 tiles split 3: +1.5%. Deterministic mode (measured in v8-v15 only): 3 when the
+    tiles are fewer than the multiprocessors (det-s5's 120 tiles 0.510 -> 0.485 ms fp16; split 2: 0.488)."""
     if device.type != "cuda":
         return 1
-    return min(3, geo.taps) if triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m) < _sm_count(device) else 1
+    tiles, sms = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m), _sm_count(device)
+    if fixed:
+        return min(3, geo.taps) if tiles < sms else 1
+    return min(9, geo.taps) if tiles < 2 * sms else 1
 
 
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device,
@@ -270,10 +279,13 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     # 0.410 -> 0.387 (against its 8-warp tile; that tile with TMA: 0.428); not with packed segments (hires-g8 1.287
     # -> 1.294); no change where grad_out is resident (det-s3 0.950 -> 0.950). The 64-wide chunks spill 128 bytes a
     # thread at 255 registers (sm_90 build) and still ran faster; measured only with TMA, so taken only where TMA
-    # will be (else the tiles stay as before)
+    # will be (else the tiles stay as before). fp32 (v18, 32-wide chunks in 4 warps): det-s4 0.856 -> 0.758, cls-14
+    # 0.389 -> 0.352, det-s5 1.011 -> 0.678 (its 8-warp tile with TMA: 0.711), and where grad_out is resident too
+    # (det-s3 1.311 -> 1.268: the weight's tiles)
     short = _short_segments(geo, seg, "bwd_data")
     packed = short and cout_g < 512
-    tma = (bn < cout_g and dtype != torch.float32 and cout_g % 8 == 0 and not short
+    half = dtype != torch.float32
+    tma = ((bn < cout_g or not half) and cout_g * (2 if half else 4) % 16 == 0 and not short
            and _even_k(geo, seg, bk, "bwd_data") and tma_supported(device))
     if tma:
         first = Config(64, bn, bk, 4, tma=True)
@@ -302,16 +314,17 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
             # former default, 64 rows capped, stays a candidate
             cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
             cands = [packed_first, Config(64, bn, min(bk, 32), 4, maxnreg=cap)] + cands[1:]
-    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device)) for c in cands])[:4]
+    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device, fixed)) for c in cands])[:4]
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     half = dtype != torch.float32
-    # (block_m, block_n, block_k, warps, stages, register cap); the first of long segments in fp16/bf16 reads its
-    # grad_out tile through TMA (v17, H200, fp16): det-s3 0.365 -> 0.336 ms, det-s4 0.262 -> 0.234, det-s5 0.286
-    # -> 0.250, cls-14 0.175 -> 0.150, bf16 det-s4 0.264 -> 0.234; packed segments not (hires-g8 0.438 -> 0.443)
+    # (block_m, block_n, block_k, warps, stages, register cap); the first of long segments reads its grad_out tile
+    # through TMA (v17, H200, fp16): det-s3 0.365 -> 0.336 ms, det-s4 0.262 -> 0.234, det-s5 0.286
+    # -> 0.250, cls-14 0.175 -> 0.150, bf16 det-s4 0.264 -> 0.234; packed segments not (hires-g8 0.438 -> 0.443);
+    # fp32 (v18): det-s3 0.656 -> 0.609, det-s4 0.643 -> 0.576, det-s5 0.614 -> 0.555, cls-14 0.332 -> 0.310
     narrow = (64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None)
     if not half:
         # fp32, unpipelined and capped at 168 (v14): det-s3 0.717 -> 0.648 ms (2 stages capped: 0.715-0.724)
@@ -335,7 +348,7 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
         cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device), maxnreg=maxnreg))
-    if half and not _short_segments(geo, seg, "bwd_weight"):
+    if not _short_segments(geo, seg, "bwd_weight"):
         cands.insert(0, dataclasses.replace(cands[0], tma=True))
     return _unique(cands)[:4]
 
@@ -781,8 +794,11 @@ def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, n0
         k_ok = c0 + offs_k < SEG
         c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
         a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-        if TMA:
-            b = w_ptr.load([(w_row + c0).to(tl.int32), n0])
+        if TMA:  # (K-major: rows past the tap's Cout_g are the next tap's, only in columns never stored)
+            if W_K_MAJOR:
+                b = w_ptr.load([((gc * KK + tap) * COUT_G + n0).to(tl.int32), s * SEG + c0]).T
+            else:
+                b = w_ptr.load([(w_row + c0).to(tl.int32), n0])
         else:
             b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
@@ -796,7 +812,8 @@ def _deform_conv2d_fwd_kernel(
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if W_K_MAJOR;
-                  # if TMA a descriptor of it as [groups*KH*KW*Cin_g, Cout_g], blocks [BLOCK_K, BLOCK_N]
+                  # if TMA a descriptor of it (_weight_descriptor): [groups*KH*KW*Cin_g, Cout_g] in blocks
+                  # [BLOCK_K, BLOCK_N], or if W_K_MAJOR [groups*KH*KW*Cout_g, Cin_g] in blocks [BLOCK_N, BLOCK_K]
     b_ptr,        # bias [Cout]                              (read only if HAS_BIAS)
     out_ptr,      # output [N, Cout, Ho, Wo], strides below
     # sizes
@@ -816,7 +833,7 @@ def _deform_conv2d_fwd_kernel(
     PER_IMAGE: tl.constexpr,           # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
     SAMPLE_AHEAD: tl.constexpr,        # NSEG == 1 only: offsets and mask loaded one (tap, segment) step ahead
-    TMA: tl.constexpr,                 # B tiles through the descriptor w_ptr (N-major weight, EVEN_K only)
+    TMA: tl.constexpr,                 # B tiles through the descriptor w_ptr (EVEN_K only)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
@@ -858,7 +875,10 @@ def _deform_conv2d_fwd_kernel(
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
             row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
             if TMA:
-                b = w_ptr.load([row0 + c0, pid_n * BLOCK_N])
+                if W_K_MAJOR:
+                    b = w_ptr.load([(gc * KK + tap) * COUT_G + pid_n * BLOCK_N, c0]).T
+                else:
+                    b = w_ptr.load([row0 + c0, pid_n * BLOCK_N])
             else:
                 b = _weight_tile(w_ptr, (row0 + c0 + offs_k).to(tl.int64), row0.to(tl.int64), c0 + offs_k < CIN_G,
                                  n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
@@ -1439,21 +1459,23 @@ class _Launch:
 
 def _tma_launch(cfg: Config, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[Tensor, int]]) -> bool:
     """Whether a launch of cfg reads its tiles through TMA descriptors: the config asks for it, the device
-    supports it, the dtype is 16-bit (fp32 was never measured), channel chunks are whole (EVEN_K: a weight tile
+    supports it, the dtype is fp16, bf16 or fp32 (not float64), channel chunks are whole (EVEN_K: a weight tile
     past a segment's end would read the next segment's weights, and a non-finite weight there would leak into
     this one's result), and TMA can address each operand (tensor, elements a row: channels): non-empty, a
     16-byte-aligned base, rows a multiple of 16 bytes, fewer than 2**31 rows (int32 tile coordinates)."""
-    return (cfg.tma and dtype in (torch.float16, torch.bfloat16) and even_k
+    return (cfg.tma and dtype in (torch.float16, torch.bfloat16, torch.float32) and even_k
             and all(t.numel() > 0 and t.data_ptr() % 16 == 0 and row * t.element_size() % 16 == 0
                     and t.numel() // row < 2**31 for t, row in operands)
             and tma_supported(operands[0][0].device))
 
 
-def _weight_descriptor(wp: Tensor, block_k: int, block_n: int):
+def _weight_descriptor(wp: Tensor, block_k: int, block_n: int, k_major: bool = False):
     """TMA descriptor of the packed weight [groups, kh*kw, Cin_g, Cout_g] as a [groups*kh*kw*Cin_g, Cout_g] matrix,
-    in [block_k, block_n] blocks (columns past Cout_g read zeros)."""
-    cout_g = wp.shape[-1]
-    return TensorDescriptor(wp, [wp.numel() // cout_g, cout_g], [cout_g, 1], [block_k, block_n])
+    in [block_k, block_n] blocks (columns past Cout_g read zeros); with k_major, of [groups, kh*kw, Cout_g, Cin_g] as
+    [groups*kh*kw*Cout_g, Cin_g] in [block_n, block_k] blocks (rows past a tap's Cout_g read the next tap's)."""
+    row = wp.shape[-1]
+    block = [block_n, block_k] if k_major else [block_k, block_n]
+    return TensorDescriptor(wp, [wp.numel() // row, row], [row, 1], block)
 
 
 def _grad_out_tma_ok(go: Tensor, geo: ConvGeometry, block_n: int) -> bool:
@@ -1504,7 +1526,7 @@ def deform_conv2d_forward(
     def weight_operand(run: _Launch):
         """The forward's weight argument: the packed tensor, or its TMA descriptor."""
         m = run.meta
-        return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"]) if m["TMA"] else wp
+        return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"], m["W_K_MAJOR"]) if m["TMA"] else wp
 
     def launch(cfg: Config) -> _Launch:
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
@@ -1513,7 +1535,7 @@ def deform_conv2d_forward(
                 geo.groups)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
         even_k = _even_k(geo, seg, cfg.block_k, "fwd")
-        tma = not plan["k_major"] and _tma_launch(cfg, input.dtype, even_k, [(wp, wp.shape[-1])])
+        tma = _tma_launch(cfg, input.dtype, even_k, [(wp, wp.shape[-1])])
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
                     DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
