@@ -754,6 +754,19 @@ def _weight_tile(w_ptr, rows, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, K_MAJO
 
 
 @triton.jit
+def _weight_tma_tile(w_ptr, tap_index, k0, n0, CIN_G, COUT_G, K_MAJOR: tl.constexpr):
+    """_weight_tile through the TMA descriptor w_ptr (_weight_descriptor): B [BK, BN] of input channels k0.. (counted
+    from the conv group's first) x output channels n0.. of tap_index = gc * KH*KW + tap. K_MAJOR reads the [BN, BK]
+    block and transposes it in shared memory; its rows past the tap's Cout_g are the next tap's, which reach only
+    accumulator columns that are never stored."""
+    if K_MAJOR:
+        b = w_ptr.load([tap_index * COUT_G + n0, k0]).T
+    else:
+        b = w_ptr.load([tap_index * CIN_G + k0, n0])
+    return b
+
+
+@triton.jit
 def _pair_sums(g, top, bottom):
     """The 4 sums over each segment's channels that grad_mask and grad_offset are linear in, [BM, NSEG] each,
     from _corner_pairs and grad_col g [BM, NSEG, SEG] (fp32): sum g*c00, and sum g*d for the exact corner
@@ -794,11 +807,8 @@ def _fwd_segment(acc, x_ptr, w_ptr, sample, gc, tap, s, offs_k, n_ok, offs_n, n0
         k_ok = c0 + offs_k < SEG
         c00, c01, c10, c11 = _load_corners(x_ptr, p00, c_lo + c0 + offs_k, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K)
         a = _blend(w00, w01, w10, w11, c00, c01, c10, c11)
-        if TMA:  # (K-major: rows past the tap's Cout_g are the next tap's, only in columns never stored)
-            if W_K_MAJOR:
-                b = w_ptr.load([((gc * KK + tap) * COUT_G + n0).to(tl.int32), s * SEG + c0]).T
-            else:
-                b = w_ptr.load([(w_row + c0).to(tl.int32), n0])
+        if TMA:
+            b = _weight_tma_tile(w_ptr, gc * KK + tap, s * SEG + c0, n0, CIN_G, COUT_G, W_K_MAJOR)
         else:
             b = _weight_tile(w_ptr, w_row + c0 + offs_k, tap_row, k_ok, n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
         acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PRECISION)
@@ -875,10 +885,7 @@ def _deform_conv2d_fwd_kernel(
             c0 = (step - tap * tl.cdiv(CIN_G, BLOCK_K)) * BLOCK_K
             row0 = (gc * KK + tap) * CIN_G  # the tap's first weight row
             if TMA:
-                if W_K_MAJOR:
-                    b = w_ptr.load([(gc * KK + tap) * COUT_G + pid_n * BLOCK_N, c0]).T
-                else:
-                    b = w_ptr.load([row0 + c0, pid_n * BLOCK_N])
+                b = _weight_tma_tile(w_ptr, gc * KK + tap, c0, pid_n * BLOCK_N, CIN_G, COUT_G, W_K_MAJOR)
             else:
                 b = _weight_tile(w_ptr, (row0 + c0 + offs_k).to(tl.int64), row0.to(tl.int64), c0 + offs_k < CIN_G,
                                  n_ok, offs_n, CIN_G, COUT_G, W_K_MAJOR, EVEN_K)
