@@ -254,6 +254,16 @@ def tma_supported(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
+def _tma_possible(dtype: torch.dtype, even_k: bool, row_bytes: int, device: torch.device) -> bool:
+    """Whether tiles of an operand with rows of row_bytes (its channels) can come through TMA descriptors at all: the
+    dtype is fp16, bf16 or fp32 (not float64), channel chunks are whole (EVEN_K: a weight tile past a segment's end
+    would read the next segment's weights, and a non-finite weight there would leak into this one's result), rows a
+    multiple of 16 bytes, and the device has TMA (tma_supported). _tma_launch adds the checks of the tensors' memory;
+    the candidates use it to know in advance where TMA will be taken."""
+    return (dtype in (torch.float16, torch.bfloat16, torch.float32) and even_k and row_bytes % 16 == 0
+            and tma_supported(device))
+
+
 def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool = False) -> int:
     """The grad_input kernel's programs per M tile (each takes a run of taps). Default mode: one program per tap (at
     most 9) when the M tiles are fewer than two per multiprocessor (less than one wave of its 2 resident 4-warp
@@ -285,8 +295,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
     short = _short_segments(geo, seg, "bwd_data")
     packed = short and cout_g < 512
     half = dtype != torch.float32
-    tma = ((bn < cout_g or not half) and cout_g * (2 if half else 4) % 16 == 0 and not short
-           and _even_k(geo, seg, bk, "bwd_data") and tma_supported(device))
+    tma = ((bn < cout_g or not half) and not short
+           and _tma_possible(dtype, _even_k(geo, seg, bk, "bwd_data"), cout_g * dtype.itemsize, device))
     if tma:
         first = Config(64, bn, bk, 4, tma=True)
     else:
@@ -1465,15 +1475,11 @@ class _Launch:
 
 
 def _tma_launch(cfg: Config, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[Tensor, int]]) -> bool:
-    """Whether a launch of cfg reads its tiles through TMA descriptors: the config asks for it, the device
-    supports it, the dtype is fp16, bf16 or fp32 (not float64), channel chunks are whole (EVEN_K: a weight tile
-    past a segment's end would read the next segment's weights, and a non-finite weight there would leak into
-    this one's result), and TMA can address each operand (tensor, elements a row: channels): non-empty, a
-    16-byte-aligned base, rows a multiple of 16 bytes, fewer than 2**31 rows (int32 tile coordinates)."""
-    return (cfg.tma and dtype in (torch.float16, torch.bfloat16, torch.float32) and even_k
-            and all(t.numel() > 0 and t.data_ptr() % 16 == 0 and row * t.element_size() % 16 == 0
-                    and t.numel() // row < 2**31 for t, row in operands)
-            and tma_supported(operands[0][0].device))
+    """Whether a launch of cfg reads its tiles through TMA descriptors: the config asks for it, each operand (tensor,
+    elements a row: channels) passes _tma_possible, and TMA can address its memory: non-empty, a 16-byte-aligned
+    base, fewer than 2**31 rows (int32 tile coordinates)."""
+    return cfg.tma and all(_tma_possible(dtype, even_k, row * t.element_size(), t.device) and t.numel() > 0
+                           and t.data_ptr() % 16 == 0 and t.numel() // row < 2**31 for t, row in operands)
 
 
 def _weight_descriptor(wp: Tensor, block_k: int, block_n: int, k_major: bool = False):
