@@ -80,3 +80,21 @@ def make_case(n, cin, cout, h, w, kh, kw, groups=1, offset_groups=1, stride=1, p
     else:
         m = None
     return (x, offset, weight, b), dict(stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw), mask=m)
+
+
+def force_tma(kernels, monkeypatch, tma):
+    """Every kernel of deformconv.ops.deform_conv2d (`kernels`) launched with its default config, Config.tma set to
+    `tma`; no plans or choices kept."""
+    import dataclasses
+
+    for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
+        real = getattr(kernels, name)
+        monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+
+
+def launch_metas(kernels):
+    """The meta-parameters (constexprs) of the planned launches, forward then grad_input then grad_weight kernel."""
+    launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]
+    return [(run[1] if isinstance(run, tuple) else run).meta for run in launches]  # weight plans: (split, launch)

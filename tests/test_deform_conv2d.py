@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import assert_close, assert_near_rounding, make_case
+from conftest import assert_close, assert_near_rounding, force_tma, launch_metas, make_case
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -437,17 +437,6 @@ TMA_CASES = {
 }
 
 
-def _force_tma(kernels, monkeypatch, tma):
-    """Every kernel launched with its default config, Config.tma set to `tma`; no plans or choices kept."""
-    import dataclasses
-
-    for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
-
-
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
 @pytest.mark.parametrize("config", list(TMA_CASES), ids=list(TMA_CASES))
@@ -464,11 +453,11 @@ def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkey
     leaves = _with_grad(args, kwargs, dtype)
     results = {}
     for tma in (False, True):
-        _force_tma(kernels, monkeypatch, tma)
+        force_tma(kernels, monkeypatch, tma)
         results[tma] = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
-        launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]
-        assert len(launches) == 3
-        assert all((run[1] if isinstance(run, tuple) else run).meta["TMA"] == tma for run in launches)
+        metas = launch_metas(kernels)
+        assert len(metas) == 3
+        assert all(m["TMA"] == tma for m in metas)
     (out, grads), (out_tma, grads_tma) = results[False], results[True]
     torch.testing.assert_close(out_tma, out, atol=0, rtol=0)
     for name, g, g_tma in zip(GRAD_NAMES, grads, grads_tma):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import HAS_CUDA, assert_close, assert_near_rounding, make_case
+from conftest import HAS_CUDA, assert_close, assert_near_rounding, force_tma, launch_metas, make_case
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -125,8 +125,6 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
     """Every kernel's default config with Config.tma forced on, then off: the forward and grad_weight equal bit for
     bit (the same products in the same order), and both runs match the float64 reference (in TF32, as fp32 runs
     by default: within TF32's error)."""
-    import dataclasses
-
     from deformconv.ops import deform_conv2d as kernels
 
     torch.backends.cudnn.allow_tf32 = tf32  # the autouse fixture restores it
@@ -142,14 +140,9 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
 
     runs = {}
     for tma in (True, False):
-        for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
-            real = getattr(kernels, name)
-            monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
-        monkeypatch.setattr(kernels, "_PLANS", {})
-        monkeypatch.setattr(kernels, "_TUNED", {})
+        force_tma(kernels, monkeypatch, tma)
         runs[tma] = _fwd_bwd(args, kwargs, "triton")
-        launches = [plan[k] for plan in kernels._PLANS.values() for k in ("fwd", "data", "weight") if k in plan]
-        metas = [(r[1] if isinstance(r, tuple) else r).meta for r in launches]
+        metas = launch_metas(kernels)
         assert len(metas) == 3 and all(m["TMA"] == tma for m in metas)
         if shape == "flat-tiles-tma":  # both backward kernels tile M flat: the 2-d grad_out descriptor
             assert [m["PER_IMAGE"] for m in metas[1:]] == [False, False]
