@@ -118,14 +118,16 @@ def test_grad_weight_tile_of_wide_layers(shape, dtype, block_n):
     assert first.block_n == block_n
 
 
-@pytest.mark.parametrize("shape,sms,split,fixed_split", [
-    ("det-s5", 132, 9, 3), ("det-s4", 132, 1, 1), ("cls-14", 132, 9, 1), ("cls-14", 64, 1, 1), ("det-s4", 1000, 9, 3),
-    ("1x1", 132, 1, 1), ("7x7", 132, 9, 3),
+@pytest.mark.parametrize("shape,sms,split,concurrent_split,fixed_split", [
+    ("det-s5", 132, 9, 9, 3), ("det-s4", 132, 1, 3, 1), ("cls-14", 132, 9, 9, 1), ("cls-14", 64, 1, 3, 1),
+    ("cls-14", 32, 1, 1, 1), ("det-s4", 1000, 9, 9, 3), ("1x1", 132, 1, 1, 1), ("7x7", 132, 9, 9, 3),
 ])
-def test_grad_input_kernel_splits_taps_when_tiles_are_few(shape, sms, split, fixed_split, monkeypatch):
+def test_grad_input_kernel_splits_taps_when_tiles_are_few(shape, sms, split, concurrent_split, fixed_split,
+                                                          monkeypatch):
     """The grad_input kernel's tap split (Config.split), M tiles of 64 rows: one program per tap (at most 9) when the
-    tiles are fewer than two per multiprocessor; in deterministic mode 3 when they are fewer than the
-    multiprocessors; never more programs than taps, never on the CPU (the interpreter)."""
+    tiles are fewer than two per multiprocessor; beside grad_weight (concurrent) also 3 below four per
+    multiprocessor; in deterministic mode 3 when they are fewer than the multiprocessors, concurrent or not; never
+    more programs than taps, never on the CPU (the interpreter)."""
     monkeypatch.setattr(deform_ops, "_sm_count", lambda device: sms)
     monkeypatch.setattr(deform_ops, "tma_supported", lambda device: True)  # no GPU to ask here
     small = dict(batch=1, in_channels=8, height=5, width=5, out_channels=8, groups=1, offset_groups=1, stride=(1, 1),
@@ -135,9 +137,29 @@ def test_grad_input_kernel_splits_taps_when_tiles_are_few(shape, sms, split, fix
            "7x7": ConvGeometry(kernel_h=7, kernel_w=7, padding=(3, 3), **small)}[shape]
     seg = deform_ops.segment_length(geo)
     for fixed in (False, True):
-        cands = deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cuda"), fixed)
-        assert {c.split for c in cands} == {fixed_split if fixed else split}
-        assert {c.split for c in deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cpu"), fixed)} == {1}
+        for concurrent in (False, True):
+            cands = deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cuda"), fixed, concurrent)
+            want = fixed_split if fixed else concurrent_split if concurrent else split
+            assert {c.split for c in cands} == {want}, (fixed, concurrent)
+            cpu = deform_ops._bwd_data_candidates(geo, seg, torch.float16, torch.device("cpu"), fixed, concurrent)
+            assert {c.split for c in cpu} == {1}
+
+
+@pytest.mark.parametrize("shape,dtype,split,concurrent_split", [
+    ("det-s5", torch.float16, 3, 1), ("det-s5", torch.float32, 2, 1), ("cls-14", torch.float16, 5, 4),
+    ("cls-14", torch.float32, 5, 2), ("det-s4", torch.float16, 11, 4), ("det-s4", torch.float32, 6, 2),
+])
+def test_grad_weight_split_beside_grad_input(shape, dtype, split, concurrent_split, monkeypatch):
+    """grad_weight's split-M (its first config, 132 multiprocessors): about 3 programs per multiprocessor alone
+    (within the partial sums' memory cap), about CONCURRENT_WEIGHT_PROGRAMS_PER_SM beside the grad_input kernel
+    (v19 sweep: det-s5 split 1, cls-14 and det-s4 2 to 4 programs a tile)."""
+    monkeypatch.setattr(deform_ops, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(deform_ops, "tma_supported", lambda device: True)
+    geo = {"det-s4": _geo(), "det-s5": _geo(512, 512, h=25, w=38), "cls-14": _geo(n=64, h=14, w=14)}[shape]
+    seg = deform_ops.segment_length(geo)
+    cuda = torch.device("cuda")
+    assert deform_ops._bwd_weight_candidates(geo, seg, dtype, cuda)[0].split == split
+    assert deform_ops._bwd_weight_candidates(geo, seg, dtype, cuda, concurrent=True)[0].split == concurrent_split
 
 
 @pytest.mark.parametrize("shape,dtype,block", [

@@ -597,6 +597,42 @@ def test_backward_chunk_images_counts_the_offset_grouped_copy():
     assert kernels.backward_chunk_images(x, x, True, True, False, grouped=True) == 8
 
 
+@pytest.mark.parametrize("shape,dtype,channels_last,concurrent", [
+    ((8, 256, 50, 76), torch.float16, False, True),      # det-s4: 480 M tiles of 64 positions
+    ((64, 256, 14, 14), torch.float16, False, True),     # cls-14: 256
+    ((8, 512, 25, 38), torch.float32, True, True),       # det-s5: 120
+    ((8, 128, 100, 152), torch.float16, False, False),   # det-s3: 1904 tiles, in chunks of images
+    ((8, 128, 100, 152), torch.float32, True, False),    # one chunk, but partials beside the accumulator: 8 bytes
+                                                         # an input element against the budget's 6
+    ((1, 64, 160, 208), torch.float16, True, False),     # one image of 520 tiles: one chunk, but not small
+], ids=["det-s4", "cls-14", "det-s5-fp32-channels-last", "det-s3", "det-s3-fp32-channels-last", "one-large-image"])
+def test_concurrent_backward_where_the_batch_is_small(shape, dtype, channels_last, concurrent, monkeypatch):
+    """grad_weight runs beside the grad_input kernel (on a side stream) where the whole batch has at most
+    MIN_CHUNK_PROGRAMS M tiles, or where the budget admits the whole batch with grad_weight's partials beside the
+    accumulator; then the backward is one chunk. Only when both kernels run."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    monkeypatch.setattr(kernels, "side_streams_usable", lambda device: True)  # the meta device stands for CUDA
+    x, go = _meta(shape, dtype, channels_last), _meta(shape, dtype, channels_last)
+    assert kernels.concurrent_backward(x, go, True, True, True, False) == concurrent
+    if concurrent:
+        assert kernels.backward_chunk_images(x, go, True, True, False, concurrent=True) == shape[0]
+    assert not kernels.concurrent_backward(x, go, True, True, False, False)   # no grad_weight
+    assert not kernels.concurrent_backward(x, go, False, False, True, False)  # grad_weight alone
+    monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")  # any whole batch admitted
+    assert kernels.concurrent_backward(x, go, True, True, True, False)
+
+
+def test_side_streams_only_on_cuda(monkeypatch):
+    """The side stream is a CUDA stream (the interpreter's CPU tensors never take it); DEFORMCONV_BACKWARD_STREAMS=0
+    turns it off."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    monkeypatch.delenv("DEFORMCONV_BACKWARD_STREAMS", raising=False)
+    assert kernels.side_streams_usable(torch.device("cuda"))
+    assert not kernels.side_streams_usable(torch.device("cpu"))
+    monkeypatch.setenv("DEFORMCONV_BACKWARD_STREAMS", "0")
+    assert not kernels.side_streams_usable(torch.device("cuda"))
+
+
 def test_workspace_budget_from_the_environment(monkeypatch):
     """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch); anything that is not
     a number >= 0 is refused, naming the variable."""

@@ -361,6 +361,32 @@ def _graph_replay_matches_eager(deterministic):
             assert torch.equal(r, e), f"{name} differs between the graph replay and eager"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["cout-512-tma", "og8-packed-segments"])
+def test_concurrent_backward_matches_sequential(shape, dtype, monkeypatch):
+    """Small batches run grad_weight on a side stream beside the grad_input kernel (concurrent_backward): the first
+    call (planning) and the second (planned) both take the side stream, give grad_weight's bits twice, and match the
+    float64 reference as the sequential backward (DEFORMCONV_BACKWARD_STREAMS=0) does."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    forks = []
+    side_stream = kernels._side_stream
+    monkeypatch.setattr(kernels, "_side_stream", lambda device: forks.append(device) or side_stream(device))
+    args, kwargs = _case(shape, dtype, seed=29)
+    ref_out, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
+    kernels._PLANS.clear()
+    runs = [_fwd_bwd(args, kwargs, "triton")[1] for _ in range(2)]
+    assert len(forks) == 2 and all(d.type == "cuda" for d in forks)
+    assert torch.equal(runs[0][2], runs[1][2]), "grad_weight differs between the planning and the planned call"
+    monkeypatch.setenv("DEFORMCONV_BACKWARD_STREAMS", "0")
+    runs.append(_fwd_bwd(args, kwargs, "triton")[1])
+    assert len(forks) == 2
+    for grads, how in zip(runs, ("concurrent, first call", "concurrent, planned", "sequential")):
+        for name, g, r in zip(NAMES, grads, ref_grads):
+            if r is not None:
+                assert_close(g, r, dtype, f"grad_{name} ({how})")
+
+
 @pytest.mark.parametrize("shape", ["segments-og3-g2", "og8-packed-segments"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, monkeypatch):

@@ -264,10 +264,13 @@ def _tma_possible(dtype: torch.dtype, even_k: bool, row_bytes: int, device: torc
             and tma_supported(device))
 
 
-def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool = False) -> int:
+def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool = False,
+               concurrent: bool = False) -> int:
     """The grad_input kernel's programs per M tile (each takes a run of taps). Default mode: one program per tap (at
     most 9) when the M tiles are fewer than two per multiprocessor (less than one wave of its 2 resident 4-warp
-    programs), else 1. Measured on the H200 (v18, the kernel, graph): det-s5's 119 tiles, split 3 -> 9: fp16 0.397 ->
+    programs); beside grad_weight (concurrent_backward) 3 below four per multiprocessor (v19, H200, the backward,
+    graph: det-s4's 475 tiles 0.725 -> 0.675 ms fp16 and bf16, fp32 1.122 -> 1.122 (2: 1.113); a 32x256x28x28 layer's
+    416 tiles fp16 0.704 -> 0.586 (9: 0.580), fp32 1.047 -> 0.939); else 1. Measured on the H200 (v18, the kernel, graph): det-s5's 119 tiles, split 3 -> 9: fp16 0.397 ->
     0.325 ms, bf16 0.395 -> 0.327, fp32 0.677 -> 0.596 (split 5: 0.336, 6: 0.342 fp16); cls-14's 196 (split 1 -> 9)
     0.246 -> 0.227 fp16; det-s4's 475 tiles split 3: +1.5%. Deterministic mode (measured in v8-v15 only): 3 when the
     tiles are fewer than the multiprocessors (det-s5's 120 tiles 0.510 -> 0.485 ms fp16; split 2: 0.488)."""
@@ -276,11 +279,13 @@ def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: boo
     tiles, sms = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m), _sm_count(device)
     if fixed:
         return min(3, geo.taps) if tiles < sms else 1
-    return min(9, geo.taps) if tiles < 2 * sms else 1
+    if tiles < 2 * sms:
+        return min(9, geo.taps)
+    return min(3, geo.taps) if concurrent and tiles < 4 * sms else 1
 
 
 def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device,
-                         fixed: bool = False) -> List[Config]:
+                         fixed: bool = False, concurrent: bool = False) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_data"), 16, 64 if dtype != torch.float32 else 32)
     bn = _pow2_clamp(cout_g, 16, 128)
@@ -324,10 +329,11 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
             # former default, 64 rows capped, stays a candidate
             cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
             cands = [packed_first, Config(64, bn, min(bk, 32), 4, maxnreg=cap)] + cands[1:]
-    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device, fixed)) for c in cands])[:4]
+    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device, fixed, concurrent)) for c in cands])[:4]
 
 
-def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
+def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device,
+                           concurrent: bool = False) -> List[Config]:
     cout_g = geo.out_channels // geo.groups
     bk = _pow2_clamp(_k_run(geo, seg, "bwd_weight"), 16, 64 if dtype != torch.float32 else 32)
     half = dtype != torch.float32
@@ -357,7 +363,8 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
-        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device), maxnreg=maxnreg))
+        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device, concurrent),
+                            maxnreg=maxnreg))
     if not _short_segments(geo, seg, "bwd_weight"):
         cands.insert(0, dataclasses.replace(cands[0], tma=True))
     return _unique(cands)[:4]
@@ -372,12 +379,18 @@ def _sm_count(device: torch.device) -> int:
 SPLIT_PARTIAL_BYTES = 4
 
 
-def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device) -> int:
-    """Split-M factor for grad_weight: about 3 programs per SM, at least 4 M tiles each, and the fp32
-    partial sums within SPLIT_PARTIAL_BYTES per input element or 4 weights, whichever is more."""
+# grad_weight's programs per SM when it runs beside the grad_input kernel (concurrent_backward), which takes the rest
+CONCURRENT_WEIGHT_PROGRAMS_PER_SM = 1.0
+
+
+def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device, concurrent: bool = False) -> int:
+    """Split-M factor for grad_weight: about 3 programs per SM (CONCURRENT_WEIGHT_PROGRAMS_PER_SM beside the
+    grad_input kernel), at least 4 M tiles each, and the fp32 partial sums within SPLIT_PARTIAL_BYTES per input
+    element or 4 weights, whichever is more."""
     m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     sms = _sm_count(device)
-    want = triton.cdiv(3 * sms, max(tiles, 1))
+    programs = CONCURRENT_WEIGHT_PROGRAMS_PER_SM * sms if concurrent else 3 * sms
+    want = triton.cdiv(max(1, round(programs)), max(tiles, 1))
     weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
     input_elems = geo.batch * geo.in_channels * geo.height * geo.width
     by_memory = max(4, (SPLIT_PARTIAL_BYTES * input_elems) // (4 * weight_elems))
@@ -414,11 +427,10 @@ def workspace_budget() -> float:
     return value
 
 
-def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
-                          grouped: bool = False) -> int:
-    """Images per chunk of the backward (the whole batch when the budget allows it, at least 1). grouped: the
-    input is read offset-grouped (grouped_input), so it is copied even when it comes channels-last."""
-    batch, cin, h, w = input.shape
+def _backward_bytes_per_image(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
+                              grouped: bool, concurrent: bool) -> int:
+    """The backward's scratch bytes per image (see WORKSPACE_BUDGET)."""
+    _, cin, h, w = input.shape
     _, cout, ho, wo = grad_out.shape
     elem = input.element_size()
     per_image = 0
@@ -429,14 +441,61 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     scratch = 0  # bytes per input element
     if need_in:  # grad_input's accumulator: fp32, or int64 and its fp32 conversion (deterministic)
         scratch = 8 + 4 if fixed else 4
-    if need_w:  # grad_weight's partials, in the accumulator's place
-        scratch = max(scratch, SPLIT_PARTIAL_BYTES)
-    per_image += cin * h * w * scratch
+    if need_w:  # grad_weight's partials, in the accumulator's place or beside it
+        scratch = scratch + SPLIT_PARTIAL_BYTES if concurrent else max(scratch, SPLIT_PARTIAL_BYTES)
+    return per_image + cin * h * w * scratch
+
+
+def _floor_images(grad_out: Tensor) -> int:
+    """The fewest images a chunk may hold: MIN_CHUNK_PROGRAMS M tiles of 64 positions."""
+    return _ceil_div(MIN_CHUNK_PROGRAMS, _ceil_div(grad_out.shape[-2] * grad_out.shape[-1], 64))
+
+
+def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
+                          grouped: bool = False, concurrent: bool = False) -> int:
+    """Images per chunk of the backward (the whole batch when the budget allows it, at least 1). grouped: the
+    input is read offset-grouped (grouped_input), so it is copied even when it comes channels-last. concurrent:
+    grad_weight's partials exist beside grad_input's accumulator (concurrent_backward) instead of in its place."""
+    batch = input.shape[0]
+    per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, concurrent)
     if batch <= 1 or per_image == 0:
         return max(batch, 1)
-    images = math.floor(min(workspace_budget() * batch * cin * h * w * elem / per_image, batch))
-    images = max(images, _ceil_div(MIN_CHUNK_PROGRAMS, _ceil_div(ho * wo, 64)))
-    return max(1, min(batch, images))
+    input_bytes = input.numel() * input.element_size()
+    images = math.floor(min(workspace_budget() * input_bytes / per_image, batch))
+    return max(1, min(batch, max(images, _floor_images(grad_out))))
+
+
+def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_data: bool, need_w: bool, fixed: bool,
+                        grouped: bool = False) -> bool:
+    """Whether grad_weight runs on a side stream beside the grad_input kernel (need_data: that kernel runs, for
+    grad_input, grad_offset or grad_mask). Neither kernel fills the H200 at few positions, and they share only
+    read-only operands: fp16 fwd+bwd det-s5 0.709 -> 0.633 ms, cls-14 0.454 -> 0.399, det-s4 0.941 -> 0.898
+    (benchmarks/NOTES.md, v19). Taken on CUDA where the backward is one chunk anyway and small: the whole batch
+    has at most MIN_CHUNK_PROGRAMS M tiles (the chunks' floor), or the budget admits it with grad_weight's partials
+    beside the accumulator. Larger backwards stay sequential (det-s3, hires-g8: within 1%, and the partials would
+    cost their chunks images). DEFORMCONV_BACKWARD_STREAMS=0 turns it off."""
+    if not (need_w and need_data and side_streams_usable(input.device)):
+        return False
+    batch, (ho, wo) = input.shape[0], grad_out.shape[-2:]
+    per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, True)
+    return (batch * _ceil_div(ho * wo, 64) <= MIN_CHUNK_PROGRAMS
+            or batch * per_image <= workspace_budget() * input.numel() * input.element_size())
+
+
+def side_streams_usable(device: torch.device) -> bool:
+    """CUDA, and DEFORMCONV_BACKWARD_STREAMS is not "0"."""
+    return device.type == "cuda" and os.environ.get("DEFORMCONV_BACKWARD_STREAMS", "1") != "0"
+
+
+_SIDE_STREAMS: Dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The backward's side stream on a CUDA device (one per device, created on first use)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
 
 
 def weight_k_major(dtype: torch.dtype) -> bool:
@@ -1625,13 +1684,16 @@ def deform_conv2d_backward(
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped_input(geo, segment_length(geo)))
+        grouped = grouped_input(geo, segment_length(geo))
+        concurrent = concurrent_backward(input, grad_out, need_in, need_in or need_off or need_mask, need_w, fixed_gin,
+                                         grouped)
+        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent)
         for n0 in range(0, max(batch, 1), step):
             sl = slice(n0, n0 + step)
             part_w = _backward_images(
                 grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
                 weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
-                grad_mask[sl] if need_mask else None, need_w)
+                grad_mask[sl] if need_mask else None, need_w, concurrent)
             if need_w:
                 grad_w = part_w if grad_w is None else grad_w.add_(part_w)
         if need_w:
@@ -1643,13 +1705,14 @@ def _backward_images(
     grad_out: Tensor, input: Tensor, off: Tensor, wp: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
     scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
-    grad_mask: Optional[Tensor], need_w: bool,
+    grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False,
 ) -> Optional[Tensor]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
     Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the copies of input (NHWC, or offset-grouped: see
     grouped_input) and grad_out (NHWC), and grad_input's accumulator (in the input copy's layout), freed before
-    grad_weight's partials are allocated (so the two never add up)."""
+    grad_weight's partials are allocated (so the two never add up) unless concurrent (concurrent_backward): then,
+    once planned, grad_weight runs on a side stream beside the grad_input kernel, its partials allocated first."""
     # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
@@ -1660,7 +1723,7 @@ def _backward_images(
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                     (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
-                    need_in, fixed_gin, need_off, need_mask, need_w)
+                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
@@ -1678,6 +1741,61 @@ def _backward_images(
     x = _offset_grouped(input, geo.offset_groups) if grouped else _nhwc(input)
     cout_g = geo.out_channels // geo.groups
     grad_w = None
+
+    # --- grad_weight's launcher (split-M partial sums, added in a fixed order) ---
+    def partials(split: int) -> Tensor:
+        return torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
+                           dtype=torch.float32, device=input.device)
+
+    def weight_go(run: _Launch):
+        """grad_weight's grad_out argument: the tensor, or its TMA descriptor."""
+        m = run.meta
+        return _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"]) if m["TMA"] else go
+
+    def launch_weight(cfg: Config, part: Optional[Tensor] = None):
+        part = partials(cfg.split) if part is None else part
+        grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
+        nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
+        even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
+        # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)
+        tma = (_grad_out_tma_ok(go, geo, cfg.block_n)
+               and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
+        weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
+                           PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
+                           BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+        run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
+                      weight_meta)
+        run(x, off, msk, weight_go(run), part)
+        return part, run
+
+    weight_cfg = None
+    if need_w and "weight" not in plan:  # the first call: its config (any timing of candidates runs here)
+        shape_class = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None) + (concurrent,)
+        weight_cfg = _pick_config(shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device, concurrent),
+                                  launch_weight, input.device)
+
+    def weight_partials() -> Tensor:
+        return partials(plan["weight"][0] if weight_cfg is None else weight_cfg.split)
+
+    def grad_weight_into(part: Tensor) -> None:
+        """grad_weight's partial sums into part, on the current stream (planned at the first call)."""
+        if weight_cfg is None:
+            run = plan["weight"][1]
+            run(x, off, msk, weight_go(run), part)
+        else:
+            plan["weight"] = (weight_cfg.split, launch_weight(weight_cfg, part)[1])
+
+    # Concurrent: grad_weight on the side stream from here, beside the grad_input kernel (not while that kernel's
+    # candidates are timed: DEFORMCONV_AUTOTUNE's first call). Every tensor it reads or writes was allocated on this
+    # stream before the fork, and this stream waits for it before any of them is freed, so the caching allocator
+    # cannot hand their memory out early.
+    side = part = None
+    if need_w and concurrent and not (autotune_enabled() and "data" not in plan):
+        part = weight_partials()
+        side = _side_stream(input.device)
+        side.wait_stream(torch.cuda.current_stream(input.device))
+        with torch.cuda.stream(side):
+            grad_weight_into(part)
 
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     if need_in or need_off or need_mask:
@@ -1716,8 +1834,9 @@ def _backward_images(
 
         if "data" not in plan:
             shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (
-                need_in, fixed_gin, need_off, need_mask)
-            cfg = _pick_config(shape_class, _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin),
+                need_in, fixed_gin, need_off, need_mask, concurrent)
+            cfg = _pick_config(shape_class,
+                               _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin, concurrent),
                                launch_data, input.device)
             if need_in:
                 gin.zero_()  # after any tuning runs, which accumulate into it too
@@ -1734,44 +1853,14 @@ def _backward_images(
             _from_offset_grouped(gin, grad_in)
             del gin
 
-    # --- grad_weight: split-M partial sums, added in a fixed order ---
+    # --- grad_weight: launched here unless it runs beside grad_input ---
     if need_w:
-        def partials(split: int) -> Tensor:
-            return torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
-                               dtype=torch.float32, device=input.device)
-
-        def weight_go(run: _Launch):
-            """grad_weight's grad_out argument: the tensor, or its TMA descriptor."""
-            m = run.meta
-            return _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"]) if m["TMA"] else go
-
-        def launch_weight(cfg: Config):
-            part = partials(cfg.split)
-            grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
-            nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
-            even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
-            # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)
-            tma = (_grad_out_tma_ok(go, geo, cfg.block_n)
-                   and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
-            weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
-                               PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
-                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
-            run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
-                          weight_meta)
-            run(x, off, msk, weight_go(run), part)
-            return part, run
-
-        if "weight" in plan:
-            split, run = plan["weight"]
-            part = partials(split)
-            run(x, off, msk, weight_go(run), part)
-        else:
-            shape_class = _shape_class("bwd_weight", geo, input.dtype, seg, mask is not None)
-            cfg = _pick_config(
-                shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device), launch_weight, input.device)
-            part, run = launch_weight(cfg)
-            plan["weight"] = (cfg.split, run)
-        grad_w = part.sum(0)
+        if side is not None:
+            torch.cuda.current_stream(input.device).wait_stream(side)
+        else:  # after the accumulator is freed: the partials take its memory
+            part = weight_partials()
+            grad_weight_into(part)
+        grad_w = part[0] if part.shape[0] == 1 else part.sum(0)
         del part
     _remember(_PLANS, key, plan)
     return grad_w
