@@ -268,12 +268,13 @@ def _tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: boo
                concurrent: bool = False) -> int:
     """The grad_input kernel's programs per M tile (each takes a run of taps). Default mode: one program per tap (at
     most 9) when the M tiles are fewer than two per multiprocessor (less than one wave of its 2 resident 4-warp
-    programs); beside grad_weight (concurrent_backward) 3 below four per multiprocessor (v19, H200, the backward,
-    graph: det-s4's 475 tiles 0.725 -> 0.675 ms fp16 and bf16, fp32 1.122 -> 1.122 (2: 1.113); a 32x256x28x28 layer's
-    416 tiles fp16 0.704 -> 0.586 (9: 0.580), fp32 1.047 -> 0.939); else 1. Measured on the H200 (v18, the kernel, graph): det-s5's 119 tiles, split 3 -> 9: fp16 0.397 ->
-    0.325 ms, bf16 0.395 -> 0.327, fp32 0.677 -> 0.596 (split 5: 0.336, 6: 0.342 fp16); cls-14's 196 (split 1 -> 9)
-    0.246 -> 0.227 fp16; det-s4's 475 tiles split 3: +1.5%. Deterministic mode (measured in v8-v15 only): 3 when the
-    tiles are fewer than the multiprocessors (det-s5's 120 tiles 0.510 -> 0.485 ms fp16; split 2: 0.488)."""
+    programs); beside grad_weight (concurrent_backward) also 3 below four per multiprocessor; else 1. Measured on
+    the H200 (graph medians): v18, the kernel alone: det-s5's 119 tiles, split 3 -> 9: fp16 0.397 -> 0.325 ms, bf16
+    0.395 -> 0.327, fp32 0.677 -> 0.596 (split 5: 0.336, 6: 0.342 fp16); cls-14's 196 (split 1 -> 9) 0.246 -> 0.227
+    fp16; det-s4's 475 tiles split 3: +1.5%. v19, the backward with grad_weight beside it, split 1 -> 3: det-s4 0.725
+    -> 0.675 fp16 and bf16, fp32 1.122 -> 1.122 (2: 1.113); a 32x256x28x28 layer's 416 tiles fp16 0.704 -> 0.586
+    (9: 0.580), fp32 1.047 -> 0.939 (9: 0.970). Deterministic mode (measured in v8-v15 only): 3 when the tiles are
+    fewer than the multiprocessors (det-s5's 120 tiles 0.510 -> 0.485 ms fp16; split 2: 0.488)."""
     if device.type != "cuda":
         return 1
     tiles, sms = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m), _sm_count(device)
@@ -329,7 +330,8 @@ def _bwd_data_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device
             # former default, 64 rows capped, stays a candidate
             cap = DATA_PACKED_MAXNREG if dtype != torch.float32 else DATA_PACKED_FP32_MAXNREG
             cands = [packed_first, Config(64, bn, min(bk, 32), 4, maxnreg=cap)] + cands[1:]
-    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device, fixed, concurrent)) for c in cands])[:4]
+    return _unique([dataclasses.replace(c, split=_tap_split(geo, c.block_m, device, fixed, concurrent))
+                    for c in cands])[:4]
 
 
 def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device,
@@ -379,7 +381,11 @@ def _sm_count(device: torch.device) -> int:
 SPLIT_PARTIAL_BYTES = 4
 
 
-# grad_weight's programs per SM when it runs beside the grad_input kernel (concurrent_backward), which takes the rest
+# grad_weight's programs per SM when it runs beside the grad_input kernel (concurrent_backward), which takes the rest.
+# v19 sweep (H200, the backward, graph, 0.25 / 0.5 / 1 / 2 a SM): det-s5 (144 tiles) split 1 at up to 1 a SM, 0.473
+# ms fp16 (2 a SM, split 2: 0.499); cls-14 (36 tiles fp16, 72 fp32) fp16 0.470 / 0.322 / 0.324 / 0.326, fp32 split 1 ->
+# 2 0.638 -> 0.571; det-s4 fp16 0.953 / 0.739 / 0.726 / 0.699 (tap split 1; with 3: 0.675 at 1 a SM), fp32 1.195 /
+# 1.195 / 1.122 / 1.142. One a SM: within 1% of the best measured at each, the peak 2-9 MiB below 2 a SM.
 CONCURRENT_WEIGHT_PROGRAMS_PER_SM = 1.0
 
 
@@ -469,8 +475,9 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
                         grouped: bool = False) -> bool:
     """Whether grad_weight runs on a side stream beside the grad_input kernel (need_data: that kernel runs, for
     grad_input, grad_offset or grad_mask). Neither kernel fills the H200 at few positions, and they share only
-    read-only operands: fp16 fwd+bwd det-s5 0.709 -> 0.633 ms, cls-14 0.454 -> 0.399, det-s4 0.941 -> 0.898
-    (benchmarks/NOTES.md, v19). Taken on CUDA where the backward is one chunk anyway and small: the whole batch
+    read-only operands: H200, graph medians, fp16 backward det-s5 0.562 -> 0.472 ms, cls-14 0.372 -> 0.323, det-s4
+    0.787 -> 0.675 (with its splits: _split_for, _tap_split); the benchmark's fwd+bwd 0.707 -> 0.626, 0.453 -> 0.404,
+    0.939 -> 0.835 (benchmarks/NOTES.md, v19). Taken on CUDA where the backward is one chunk anyway and small: the whole batch
     has at most MIN_CHUNK_PROGRAMS M tiles (the chunks' floor), or the budget admits it with grad_weight's partials
     beside the accumulator. Larger backwards stay sequential (det-s3, hires-g8: within 1%, and the partials would
     cost their chunks images). DEFORMCONV_BACKWARD_STREAMS=0 turns it off."""
@@ -1798,66 +1805,68 @@ def _backward_images(
             grad_weight_into(part)
 
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
-    if need_in or need_off or need_mask:
-        gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
-                          device=input.device) if need_in else off
-        goff = grad_off if need_off else off
-        gmsk = grad_mask if need_mask else off
-        scale = scales[0] if fixed_gin else off
+    try:
+        if need_in or need_off or need_mask:
+            gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
+                              device=input.device) if need_in else off
+            goff = grad_off if need_off else off
+            gmsk = grad_mask if need_mask else off
+            scale = scales[0] if fixed_gin else off
 
-        def data_operands(run: _Launch) -> Tuple:
-            """The weight and grad_out arguments of a grad_input launch: tensors, or with TMA descriptors (grad_out
-            stays a tensor where it is resident)."""
-            m = run.meta
-            if not m["TMA"]:
-                return wp, go
-            go_op = go if m["GO_RESIDENT"] else _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"])
-            return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"]), go_op
+            def data_operands(run: _Launch) -> Tuple:
+                """The weight and grad_out arguments of a grad_input launch: tensors, or with TMA descriptors (grad_out
+                stays a tensor where it is resident)."""
+                m = run.meta
+                if not m["TMA"]:
+                    return wp, go
+                go_op = go if m["GO_RESIDENT"] else _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"])
+                return _weight_descriptor(wp, m["BLOCK_K"], m["BLOCK_N"]), go_op
 
-        def launch_data(cfg: Config) -> _Launch:
-            nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
-            per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
-            even_k = _even_k(geo, seg, cfg.block_k, "bwd_data")
-            resident = go_resident(geo, cfg.block_n)
-            # a resident grad_out tile is loaded once through pointers; the weight's come through TMA
-            go_tma_ok = resident or _grad_out_tma_ok(go, geo, cfg.block_n)
-            tma = not fixed_gin and go_tma_ok and _tma_launch(cfg, input.dtype, even_k,
-                                                              [(wp, cout_g), (go, geo.out_channels)])
-            data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
-                             FIXED_GIN=fixed_gin, EVEN_K=even_k, PER_IMAGE=per_image, GO_RESIDENT=resident,
-                             TAP_SPLIT=cfg.split, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                             BLOCK_K=cfg.block_k, **cfg.launch_options())
-            run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image), cfg.split), args,
-                          data_meta)
-            run(x, off, msk, *data_operands(run), gin, goff, gmsk, scale)
-            return run
+            def launch_data(cfg: Config) -> _Launch:
+                nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_data")
+                per_image = per_image_tiles(geo, cfg.block_m, "bwd_data", nseg, input.dtype)
+                even_k = _even_k(geo, seg, cfg.block_k, "bwd_data")
+                resident = go_resident(geo, cfg.block_n)
+                # a resident grad_out tile is loaded once through pointers; the weight's come through TMA
+                go_tma_ok = resident or _grad_out_tma_ok(go, geo, cfg.block_n)
+                tma = not fixed_gin and go_tma_ok and _tma_launch(cfg, input.dtype, even_k,
+                                                                  [(wp, cout_g), (go, geo.out_channels)])
+                data_meta = dict(meta, NSEG=nseg, NEED_GIN=need_in, NEED_GOFF=need_off, NEED_GMSK=need_mask,
+                                 FIXED_GIN=fixed_gin, EVEN_K=even_k, PER_IMAGE=per_image, GO_RESIDENT=resident,
+                                 TAP_SPLIT=cfg.split, TMA=tma, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                                 BLOCK_K=cfg.block_k, **cfg.launch_options())
+                run = _Launch(_deform_conv2d_bwd_data_kernel, (_m_tiles(geo, cfg.block_m, per_image), cfg.split), args,
+                              data_meta)
+                run(x, off, msk, *data_operands(run), gin, goff, gmsk, scale)
+                return run
 
-        if "data" not in plan:
-            shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (
-                need_in, fixed_gin, need_off, need_mask, concurrent)
-            cfg = _pick_config(shape_class,
-                               _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin, concurrent),
-                               launch_data, input.device)
+            if "data" not in plan:
+                shape_class = _shape_class("bwd_data", geo, input.dtype, seg, mask is not None) + (
+                    need_in, fixed_gin, need_off, need_mask, concurrent)
+                cfg = _pick_config(shape_class,
+                                   _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin, concurrent),
+                                   launch_data, input.device)
+                if need_in:
+                    gin.zero_()  # after any tuning runs, which accumulate into it too
+                plan["data"] = launch_data(cfg)
+            else:
+                if need_in:
+                    gin.zero_()
+                plan["data"](x, off, msk, *data_operands(plan["data"]), gin, goff, gmsk, scale)
+            # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
+            # accumulator is freed: grad_weight's partials below take its place
             if need_in:
-                gin.zero_()  # after any tuning runs, which accumulate into it too
-            plan["data"] = launch_data(cfg)
-        else:
-            if need_in:
-                gin.zero_()
-            plan["data"](x, off, msk, *data_operands(plan["data"]), gin, goff, gmsk, scale)
-        # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
-        # accumulator is freed: grad_weight's partials below take its place
-        if need_in:
-            if fixed_gin:
-                gin = gin.to(torch.float32).mul_(scales[1])
-            _from_offset_grouped(gin, grad_in)
-            del gin
+                if fixed_gin:
+                    gin = gin.to(torch.float32).mul_(scales[1])
+                _from_offset_grouped(gin, grad_in)
+                del gin
+    finally:  # the side stream joins this one before anything it uses can be freed, even after an error
+        if side is not None:
+            torch.cuda.current_stream(input.device).wait_stream(side)
 
     # --- grad_weight: launched here unless it runs beside grad_input ---
     if need_w:
-        if side is not None:
-            torch.cuda.current_stream(input.device).wait_stream(side)
-        else:  # after the accumulator is freed: the partials take its memory
+        if side is None:  # after the accumulator is freed: the partials take its memory
             part = weight_partials()
             grad_weight_into(part)
         grad_w = part[0] if part.shape[0] == 1 else part.sum(0)
