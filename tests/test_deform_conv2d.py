@@ -634,14 +634,24 @@ def test_side_streams_only_on_cuda(monkeypatch):
 
 
 def test_workspace_budget_from_the_environment(monkeypatch):
-    """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch); anything that is not
-    a number >= 0 is refused, naming the variable."""
+    """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch) and is kept even where
+    chunks get small; anything that is not a number >= 0 is refused, naming the variable."""
     kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
     x = _meta((8, 128, 100, 152), torch.float16)
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")
     assert kernels.backward_chunk_images(x, x, True, True, False) == 8
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
     assert kernels.backward_chunk_images(x, x, True, True, False) == 4
+    # a budget set here is kept below the MIN_CHUNK_PROGRAMS floor: cls-14's 64 small images (8 bytes of scratch an
+    # fp16 input element: 1.5 x 2 / 8 of the batch) run in chunks of 24, not whole, and without the side stream
+    monkeypatch.setattr(kernels, "side_streams_usable", lambda device: True)
+    small = _meta((64, 256, 14, 14), torch.float16)
+    monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "1.5")
+    assert kernels.backward_chunk_images(small, small, True, True, False) == 24
+    assert not kernels.concurrent_backward(small, small, True, True, True, False)
+    monkeypatch.delenv("DEFORMCONV_WORKSPACE_BUDGET")
+    assert kernels.backward_chunk_images(small, small, True, True, False) == 64
+    assert kernels.concurrent_backward(small, small, True, True, True, False)
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
         with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):

@@ -411,10 +411,17 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 # fp16; the batch is processed in chunks of images instead, so that it stays within WORKSPACE_BUDGET times
 # the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input kernel (small
 # images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment variable
-# DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest).
+# DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest), and a budget
+# set there is kept down to one image a chunk, without that floor (the user asked for the memory; small images
+# then run slower: det-s4 +26%, det-s5 +80%, cls-14 +60% fwd+bwd at 1.5 in v7).
 # Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +5% fwd+bwd time.
 WORKSPACE_BUDGET = 1.5
 MIN_CHUNK_PROGRAMS = 512
+
+
+def budget_from_environment() -> bool:
+    """Whether DEFORMCONV_WORKSPACE_BUDGET sets the budget (then kept without the MIN_CHUNK_PROGRAMS floor)."""
+    return bool(os.environ.get("DEFORMCONV_WORKSPACE_BUDGET", ""))
 
 
 def workspace_budget() -> float:
@@ -468,7 +475,9 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
         return max(batch, 1)
     input_bytes = input.numel() * input.element_size()
     images = math.floor(min(workspace_budget() * input_bytes / per_image, batch))
-    return max(1, min(batch, max(images, _floor_images(grad_out))))
+    if not budget_from_environment():  # the default budget yields to a chunk that fills the GPU
+        images = max(images, _floor_images(grad_out))
+    return max(1, min(batch, images))
 
 
 def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_data: bool, need_w: bool, fixed: bool,
@@ -477,16 +486,17 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
     grad_input, grad_offset or grad_mask). Neither kernel fills the H200 at few positions, and they share only
     read-only operands: H200, graph medians, fp16 backward det-s5 0.562 -> 0.472 ms, cls-14 0.372 -> 0.323, det-s4
     0.787 -> 0.675 (with its splits: _split_for, _tap_split); the benchmark's fwd+bwd 0.707 -> 0.626, 0.453 -> 0.404,
-    0.939 -> 0.835 (benchmarks/NOTES.md, v19). Taken on CUDA where the backward is one chunk anyway and small: the whole batch
-    has at most MIN_CHUNK_PROGRAMS M tiles (the chunks' floor), or the budget admits it with grad_weight's partials
-    beside the accumulator. Larger backwards stay sequential (det-s3, hires-g8: within 1%, and the partials would
+    0.939 -> 0.835 (benchmarks/NOTES.md, v19). Taken on CUDA where the backward is one chunk anyway and small: the
+    whole batch has at most MIN_CHUNK_PROGRAMS M tiles (the chunks' floor; not with a budget set through
+    DEFORMCONV_WORKSPACE_BUDGET, which is kept), or the budget admits it with grad_weight's partials beside the
+    accumulator. Larger backwards stay sequential (det-s3, hires-g8: within 1%, and the partials would
     cost their chunks images). DEFORMCONV_BACKWARD_STREAMS=0 turns it off."""
     if not (need_w and need_data and side_streams_usable(input.device)):
         return False
     batch, (ho, wo) = input.shape[0], grad_out.shape[-2:]
     per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, True)
-    return (batch * _ceil_div(ho * wo, 64) <= MIN_CHUNK_PROGRAMS
-            or batch * per_image <= workspace_budget() * input.numel() * input.element_size())
+    small = batch * _ceil_div(ho * wo, 64) <= MIN_CHUNK_PROGRAMS and not budget_from_environment()
+    return small or batch * per_image <= workspace_budget() * input.numel() * input.element_size()
 
 
 def side_streams_usable(device: torch.device) -> bool:
