@@ -31,7 +31,9 @@ blend gives 1.1x and torchvision, which computes in fp16 throughout, 4.5x on the
 mask, so with a mask <= 1 every partial sum stays within the corners' range. grad_weight re-samples A in fp32: a
 16-bit blend there took its error from 1.6x to 2.7x the rounding's, for 4-7% of that kernel's time.
 
-The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``).
+The launchers cache a plan per call signature and relaunch the compiled kernels directly (``_Launch``). The
+backward runs over the batch in chunks of images within a scratch budget (backward_chunk_images); where the batch is
+small, grad_weight runs on a side stream beside the grad_input kernel (concurrent_backward).
 
 This file reads top-down: configs/heuristics -> @triton.jit kernels -> launchers -> nothing else (the
 torch.library glue is in deformconv/library.py, the dispatch in deformconv/backends.py).
@@ -405,15 +407,15 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 
 # Backward workspace: the scratch memory of one backward beyond the gradients it returns. Per image: the
 # copies of input and grad_out (NHWC, when they come NCHW; the input's always where it is read offset-grouped,
-# see grouped_input), grad_input's accumulator (fp32; int64 plus an fp32
-# conversion in deterministic mode) and grad_weight's split partials (which reuse the accumulator's memory,
-# see _backward_images). Over the whole batch at once that was 4.4x the input's size at det-s3 in
-# fp16; the batch is processed in chunks of images instead, so that it stays within WORKSPACE_BUDGET times
-# the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input kernel (small
-# images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment variable
-# DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest), and a budget
-# set there is kept down to one image a chunk, without that floor (the user asked for the memory; small images
-# then run slower: det-s4 +26%, det-s5 +80%, cls-14 +60% fwd+bwd at 1.5 in v7).
+# see grouped_input), grad_input's accumulator (fp32; int64 plus an fp32 conversion in deterministic mode) and
+# grad_weight's split partials (which reuse the accumulator's memory, or exist beside it where grad_weight runs
+# on a side stream: concurrent_backward, _backward_images). Over the whole batch at once that was 4.4x the
+# input's size at det-s3 in fp16; the batch is processed in chunks of images instead, so that it stays within
+# WORKSPACE_BUDGET times the input's size, but a chunk keeps at least MIN_CHUNK_PROGRAMS M tiles of the grad_input
+# kernel (small images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment
+# variable DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest), and a
+# budget set there is kept down to one image a chunk, without that floor (the user asked for the memory; small
+# images then run slower: det-s4 +26%, det-s5 +80%, cls-14 +60% fwd+bwd at 1.5 in v7).
 # Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +5% fwd+bwd time.
 WORKSPACE_BUDGET = 1.5
 MIN_CHUNK_PROGRAMS = 512
