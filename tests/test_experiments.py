@@ -112,6 +112,18 @@ def test_host_cost_times_a_step(capsys):
     assert "| shape | dtype | CPU ms a step |" in out and "tottime" in out
 
 
+def test_host_cost_without_kernels_times_the_host_path(capsys):
+    """--no-kernels skips the Triton launches for the measurement only (the host path's time), then restores them."""
+    host = _load("host_cost")
+    from deformconv.ops import deform_conv2d as kernels
+
+    call = kernels._Launch.__call__
+    records = host.main(["--shape", "1,8,8,5,6,3,1", "--dtypes", "float32", "--steps", "2", "--no-kernels"])
+    assert len(records) == 1 and records[0]["no_kernels"] and records[0]["cpu_ms"] > 0
+    assert kernels._Launch.__call__ is call
+    assert "| shape | dtype | CPU ms a step |" in capsys.readouterr().out
+
+
 def test_atomic_ceiling_sums_exactly(capsys):
     """The atomic-add kernel's buffer equals index_add_ of the same values, for every pixel pattern (290 rows:
     a partial last tile)."""
