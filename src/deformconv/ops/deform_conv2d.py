@@ -461,9 +461,15 @@ def _backward_bytes_per_image(input: Tensor, grad_out: Tensor, need_in: bool, ne
     return per_image + cin * h * w * scratch
 
 
-def _floor_images(grad_out: Tensor) -> int:
-    """The fewest images a chunk may hold: MIN_CHUNK_PROGRAMS M tiles of 64 positions."""
-    return _ceil_div(MIN_CHUNK_PROGRAMS, _ceil_div(grad_out.shape[-2] * grad_out.shape[-1], 64))
+def _image_tiles(grad_out: Tensor) -> int:
+    """M tiles of 64 positions in one image (the unit of MIN_CHUNK_PROGRAMS)."""
+    return _ceil_div(grad_out.shape[-2] * grad_out.shape[-1], 64)
+
+
+def _budget_images(input: Tensor, per_image: int) -> int:
+    """The images whose scratch (per_image bytes each, > 0) fits the workspace budget, at most the batch."""
+    input_bytes = input.numel() * input.element_size()
+    return math.floor(min(workspace_budget() * input_bytes / per_image, input.shape[0]))
 
 
 def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
@@ -475,10 +481,9 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, concurrent)
     if batch <= 1 or per_image == 0:
         return max(batch, 1)
-    input_bytes = input.numel() * input.element_size()
-    images = math.floor(min(workspace_budget() * input_bytes / per_image, batch))
+    images = _budget_images(input, per_image)
     if not budget_from_environment():  # the default budget yields to a chunk that fills the GPU
-        images = max(images, _floor_images(grad_out))
+        images = max(images, _ceil_div(MIN_CHUNK_PROGRAMS, _image_tiles(grad_out)))
     return max(1, min(batch, images))
 
 
@@ -495,10 +500,11 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
     cost their chunks images). DEFORMCONV_BACKWARD_STREAMS=0 turns it off."""
     if not (need_w and need_data and side_streams_usable(input.device)):
         return False
-    batch, (ho, wo) = input.shape[0], grad_out.shape[-2:]
+    batch = input.shape[0]
+    if batch * _image_tiles(grad_out) <= MIN_CHUNK_PROGRAMS and not budget_from_environment():
+        return True
     per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, True)
-    small = batch * _ceil_div(ho * wo, 64) <= MIN_CHUNK_PROGRAMS and not budget_from_environment()
-    return small or batch * per_image <= workspace_budget() * input.numel() * input.element_size()
+    return _budget_images(input, per_image) >= batch
 
 
 def side_streams_usable(device: torch.device) -> bool:
@@ -1866,7 +1872,7 @@ def _backward_images(
                     gin.zero_()
                 plan["data"](x, off, msk, *data_operands(plan["data"]), gin, goff, gmsk, scale)
             # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
-            # accumulator is freed: grad_weight's partials below take its place
+            # accumulator is freed: grad_weight's partials below take its place (unless they exist already, beside)
             if need_in:
                 if fixed_gin:
                     gin = gin.to(torch.float32).mul_(scales[1])
