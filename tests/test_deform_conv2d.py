@@ -254,7 +254,7 @@ def test_only_required_gradients_are_computed(monkeypatch):
     seen = []
     ref = REGISTRY["reference"]
     orig = type(ref).backward
-    monkeypatch.setattr(type(ref), "backward", lambda self, *a: seen.append(list(a[-1])) or orig(self, *a))
+    monkeypatch.setattr(type(ref), "backward", lambda self, *a, **k: seen.append(list(a[-1])) or orig(self, *a, **k))
     args, kwargs = make_case(n=1, cin=2, cout=2, h=4, w=4, kh=3, kw=3, padding=1, seed=4)
     x, offset, weight, bias = args
     w = weight.clone().requires_grad_(True)
@@ -360,6 +360,70 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_data"] == [split]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("split", [1, 3], ids=["split-1-bias-written-directly", "split-3-partials-summed"])
+@pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
+@pytest.mark.parametrize("config", ["3x3-pad1", "zero-mask-no-bias", "groups2-og4-packed-tail", "nonsquare-og4"])
+def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout, config,
+                                                              monkeypatch):
+    """In a one-chunk backward the grad_weight kernel also sums grad_bias, in extra programs: with split 1 straight
+    into the returned tensor, else into fp32 partials summed after; no separate channel sum runs. Both give the
+    oracle's gradients, with either weight layout (grad_weight comes back in the weight's)."""
+    import dataclasses
+
+    from deformconv.ops import deform_conv2d as kernels
+
+    real = kernels._bwd_weight_candidates
+    monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    sums = []
+    real_sum = kernels._channel_sum
+    monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    if weight_layout == "channels_last":
+        leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    assert sums == []
+    assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_weight"] == [split]
+    metas = [m for m in launch_metas(kernels) if "NEED_BIAS" in m]
+    assert [m["NEED_BIAS"] for m in metas] == [leaves64[3] is not None]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+def test_grad_weight_channels_last_weight_keeps_its_format(backend, dtype):
+    """grad_weight comes back in the weight's memory format (a channels_last weight: channels_last), with its values."""
+    args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=17)
+    x, offset, weight, bias = args
+    w = weight.contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    deformconv.deform_conv2d(x, offset, w, bias, **kwargs, backend=backend).square().sum().backward()
+    assert w.grad.is_contiguous(memory_format=torch.channels_last) and w.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+def test_backward_reuses_the_forward_packed_weight(backend, dtype, monkeypatch):
+    """In eager autograd the backward takes the weight the forward packed (16-bit: the same layout) instead of packing
+    it again; fp32's forward packs K-major, so its backward packs its own. Through the registered op (what
+    torch.compile sees) every call packs. The gradients are the oracle's either way."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    packs = []
+    real = kernels.pack_weight
+    monkeypatch.setattr(kernels, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
+    args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, seed=23)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    assert len(packs) == (2 if kernels.weight_k_major(dtype) else 1)
+    packs.clear()
+    leaves = _with_grad(args, kwargs, dtype)
+    x, offset, weight, bias, mask = leaves
+    out = torch.ops.deformconv.deform_conv2d(x, offset, weight, bias, mask, list(kwargs["stride"]),
+                                             list(kwargs["padding"]), list(kwargs["dilation"]), backend)
+    out.sum().backward()
+    assert len(packs) == 2 and weight.grad is not None
 
 
 # long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)

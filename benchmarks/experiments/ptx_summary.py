@@ -121,7 +121,7 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
     fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
     data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h,
                 scale_ptr="*fp32")
-    weight = dict(x_ptr=h, off_ptr=h, msk_ptr=h, go_ptr=h, gw_ptr="*fp32")
+    weight = dict(x_ptr=h, off_ptr=h, msk_ptr=h, go_ptr=h, gw_ptr="*fp32", gb_ptr="*fp32")
     common = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32")
     for name in shapes:
         shape, seg, nseg = SHAPES[name]
@@ -144,9 +144,13 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
                 common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, FIXED_GIN=False, EVEN_K=True,
                 PER_IMAGE=per_image, GO_RESIDENT=resident, TAP_SPLIT=1, GROUPED=nseg > 1, TMA=tma and not resident,
                 BLOCK_M=64, BLOCK_N=min(bn, 128), BLOCK_K=bk), go_ints, 8 if bn == 256 else 4)))
-            log(tag, "weight", counts(compile_kernel(K._deform_conv2d_bwd_weight_kernel, dict(weight, **(dict(go_ptr=go_desc) if tma else {})), dict(
-                common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, PER_IMAGE=per_image, GROUPED=nseg > 1,
-                TMA=tma, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64), go_ints, 8)))
+            for need_bias in (False, True):
+                log(tag, f"weight{' +bias' if need_bias else ''}", counts(compile_kernel(
+                    K._deform_conv2d_bwd_weight_kernel, dict(weight, **(dict(go_ptr=go_desc) if tma else {})), dict(
+                        common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, PER_IMAGE=per_image,
+                        GROUPED=nseg > 1, TMA=tma, NEED_BIAS=need_bias, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64),
+                    go_ints, 8)))
+
 
 if __name__ == "__main__":
     main()

@@ -31,10 +31,13 @@ class Backend:
         """Whether the automatic choice may pick this backend on this device (it must also support it)."""
         return True
 
-    def forward(self, input, offset, weight, bias, mask, stride, padding, dilation):
+    def forward(self, input, offset, weight, bias, mask, stride, padding, dilation, keep=None):
+        """The output. keep: a dict the backend may fill with tensors its backward can reuse (the eager path's
+        autograd context holds them until the backward, which gets the same dict)."""
         raise NotImplementedError
 
-    def backward(self, grad_out, input, offset, weight, mask, stride, padding, dilation, needs):
+    def backward(self, grad_out, input, offset, weight, mask, stride, padding, dilation, needs, keep=None):
+        """Gradients (input, offset, mask, weight, bias). keep: what the forward kept, or None."""
         raise NotImplementedError
 
 
@@ -48,12 +51,12 @@ class ReferenceBackend(Backend):
             return [f"dtype {dtype} is not a floating-point type"]
         return []
 
-    def forward(self, *args):
+    def forward(self, *args, keep=None):
         from .ops import reference
 
         return reference.deform_conv2d_forward(*args)
 
-    def backward(self, *args):
+    def backward(self, *args, keep=None):
         from .ops import reference
 
         return reference.deform_conv2d_backward(*args)
@@ -119,17 +122,18 @@ class TritonBackend(Backend):
         # Triton's CPU interpreter is for testing: CPU tensors go to the reference unless forced.
         return torch.device(device).type == "cuda"
 
-    def forward(self, input, *args):
+    def forward(self, input, *args, keep=None):
         from .ops import deform_conv2d
 
         with _on_device_of(input):
-            return deform_conv2d.deform_conv2d_forward(input, *args)
+            return deform_conv2d.deform_conv2d_forward(input, *args, keep=keep)
 
-    def backward(self, grad_out, input, *args):
+    def backward(self, grad_out, input, *args, keep=None):
         from .ops import deform_conv2d
 
         with _on_device_of(input):
-            return deform_conv2d.deform_conv2d_backward(grad_out, input, *args)
+            return deform_conv2d.deform_conv2d_backward(grad_out, input, *args,
+                                                        packed_weight=keep.get("packed_weight") if keep else None)
 
 
 def _on_device_of(t: torch.Tensor):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .library import _setup_context, backward_impl, forward_impl, input_grads
+from .library import _setup_context, backward_impl, forward_impl, input_grads, kept_tensors
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICES = ("cuda", "cpu")
@@ -47,10 +47,15 @@ class DeformConv2dFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, offset, weight, bias, mask, stride, padding, dilation, backend):
         args = (input, offset, weight, bias, mask, stride, padding, dilation, backend)
-        _setup_context(ctx, args, None)
-        return forward_impl(*args)
+        # what the backend's forward keeps for its backward (the Triton backend: the packed weight, one aten copy
+        # fewer a step), held until the backward; only when a gradient can be asked for
+        keep = {} if any(ctx.needs_input_grad[:5]) else None
+        out = forward_impl(*args, keep=keep)
+        _setup_context(ctx, args, out, keep)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        return input_grads(ctx, grad_out, backward_impl)
+        kept = kept_tensors(ctx)
+        return input_grads(ctx, grad_out, lambda *a: backward_impl(*a, keep=kept))

@@ -50,11 +50,12 @@ def deform_conv2d_op(
     return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
 
 
-def forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend: str) -> Tensor:
-    """The forward on the selected backend (an empty batch needs none)."""
+def forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend: str,
+                 keep: Optional[dict] = None) -> Tensor:
+    """The forward on the selected backend (an empty batch needs none). keep: see Backend.forward."""
     if input.shape[0] == 0:
         return _empty_output(input, offset, weight, stride, padding, dilation)
-    return _backend_for(input, backend).forward(input, offset, weight, bias, mask, stride, padding, dilation)
+    return _backend_for(input, backend).forward(input, offset, weight, bias, mask, stride, padding, dilation, keep=keep)
 
 
 def _empty_output(input, offset, weight, stride, padding, dilation) -> Tensor:
@@ -93,12 +94,15 @@ def deform_conv2d_backward_op(
     return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
-def backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend: str):
-    """Gradients (input, offset, mask, weight, bias) on the selected backend; None where ``needs`` is False."""
+def backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend: str,
+                  keep: Optional[dict] = None):
+    """Gradients (input, offset, mask, weight, bias) on the selected backend; None where ``needs`` is False.
+    keep: what the forward kept (forward_impl), or None."""
     if input.shape[0] == 0:
         grads = _zero_grads(input, offset, weight, mask, grad_out)
     else:
-        grads = _backend_for(input, backend).backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs)
+        grads = _backend_for(input, backend).backward(grad_out, input, offset, weight, mask, stride, padding, dilation,
+                                                      needs, keep=keep)
     return tuple(g if need else None for g, need in zip(grads, needs))
 
 
@@ -124,10 +128,13 @@ def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, b
 # --- autograd ------------------------------------------------------------------------------------------
 
 
-def _setup_context(ctx, inputs, output):
-    """What the backward needs; also used by the eager path's autograd.Function (deformconv/eager.py)."""
+def _setup_context(ctx, inputs, output, kept: Optional[dict] = None):
+    """What the backward needs; also used by the eager path's autograd.Function (deformconv/eager.py), which
+    saves what its forward kept beside (kept: see Backend.forward; kept_tensors reads it back)."""
     input, offset, weight, bias, mask, stride, padding, dilation, backend = inputs
-    ctx.save_for_backward(input, offset, weight, mask)
+    kept = kept or {}
+    ctx.save_for_backward(input, offset, weight, mask, *kept.values())
+    ctx.kept_names = tuple(kept)
     ctx.has_bias = bias is not None
     ctx.has_mask = mask is not None
     ctx.params = (stride, padding, dilation, backend)
@@ -143,7 +150,7 @@ def grad_needs(needs_input_grad, has_bias: bool, has_mask: bool) -> List[bool]:
 def input_grads(ctx, grad_out, backward):
     """The autograd backward, in the forward's argument order, with ``backward`` computing the gradients
     (the backward op here, ``backward_impl`` in the eager path)."""
-    input, offset, weight, mask = ctx.saved_tensors
+    input, offset, weight, mask = ctx.saved_tensors[:4]
     stride, padding, dilation, backend = ctx.params
     needs = grad_needs(ctx.needs_input_grad, ctx.has_bias, ctx.has_mask)
     if not any(needs):
@@ -154,6 +161,11 @@ def input_grads(ctx, grad_out, backward):
         pick(g_in, needs[0]), pick(g_off, needs[1]), pick(g_w, needs[3]), pick(g_b, needs[4]),
         pick(g_mask, needs[2]), None, None, None, None,
     )
+
+
+def kept_tensors(ctx) -> dict:
+    """What the forward kept (_setup_context's kept), from the saved tensors."""
+    return dict(zip(ctx.kept_names, ctx.saved_tensors[4:]))
 
 
 def _backward(ctx, grad_out):

@@ -1239,6 +1239,41 @@ def _deform_conv2d_bwd_data_kernel(
 
 
 @triton.jit
+def _grad_bias_rows(go_ptr, gb_ptr, gc, pid_n, pid_s, M, HO, WO, COUT_G, COUT, SPLIT, go_sn, go_sl, go_sc,
+                    PER_IMAGE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """grad_bias's share of a grad_weight program (conv group gc, N tile pid_n, split pid_s): the sum over this
+    split's M tiles of grad_out's channels gc*Cout_g + pid_n*BLOCK_N.., in fp32, into gb_ptr[pid_s, ...] (fp32
+    partials [SPLIT, Cout], or with SPLIT = 1 grad_bias itself). The same tiles, in the same order, as the
+    grad_weight programs beside it read."""
+    L = HO * WO
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < COUT_G
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    if PER_IMAGE:
+        m_tiles = (M // L) * tl.cdiv(L, BLOCK_M)
+    else:
+        m_tiles = tl.cdiv(M, BLOCK_M)
+    for mb in range(pid_s, m_tiles, SPLIT):
+        if TMA:
+            go = _grad_out_tile(go_ptr, mb, gc * COUT_G + pid_n * BLOCK_N, L, PER_IMAGE, BLOCK_M, BLOCK_N)
+        else:
+            if PER_IMAGE:
+                tiles = tl.cdiv(L, BLOCK_M)
+                n_img = (mb // tiles).to(tl.int64)
+                l32 = (mb % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_valid = l32 < L
+                row = n_img * go_sn + l32.to(tl.int64) * go_sl
+            else:
+                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_valid = offs_m < M
+                row = (offs_m // L).to(tl.int64) * go_sn + (offs_m % L).to(tl.int64) * go_sl
+            cols = (gc * COUT_G + offs_n).to(tl.int64) * go_sc
+            go = tl.load(go_ptr + row[:, None] + cols[None, :], mask=m_valid[:, None] & n_ok[None, :], other=0.0)
+        acc += tl.sum(go.to(tl.float32), axis=0)
+    tl.store(gb_ptr + pid_s.to(tl.int64) * COUT + gc * COUT_G + offs_n, acc.to(gb_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
 def _deform_conv2d_bwd_weight_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
@@ -1246,6 +1281,7 @@ def _deform_conv2d_bwd_weight_kernel(
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA a descriptor (_grad_out_tile)
     gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
+    gb_ptr,       # grad_bias: fp32 partial sums [SPLIT, Cout], or (SPLIT = 1) grad_bias itself [Cout] (NEED_BIAS)
     # sizes
     H, W, CIN, HO, WO, M,
     CIN_G, COUT_G, COG, G, GROUPS, SPLIT,
@@ -1260,16 +1296,25 @@ def _deform_conv2d_bwd_weight_kernel(
     PER_IMAGE: tl.constexpr,      # M tiles never cross an image (see _position_setup)
     GROUPED: tl.constexpr,        # NSEG > 1 only: the input in the offset-grouped layout
     TMA: tl.constexpr,            # grad_out tiles through the descriptor go_ptr
+    NEED_BIAS: tl.constexpr,      # GROUPS more rows of programs (the first) sum grad_out's channels for grad_bias
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward.
-    Split-M: program (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in
-    a fixed order. Grid: (groups*KK*segments*K-chunks, N tiles, SPLIT)."""
+    """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward; with
+    NEED_BIAS also grad_bias[gc*Cout_g + n] = sum_m grad_out[m, gc*Cout_g + n] (_grad_bias_rows). Split-M: program
+    (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in a fixed order (grad_bias with
+    SPLIT = 1: its programs write it, in its dtype). Grid: ([groups +] groups*KK*segments*K-chunks, N tiles,
+    SPLIT)."""
     tl.static_assert(NSEG > 1 or not GROUPED, "the offset-grouped input layout is for packed segments")
     # --- which (conv group, tap, segment, channel chunk), which N tile, which split ---
     pid_row = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
+    if NEED_BIAS:  # the first GROUPS rows sum grad_bias: started first, they end before the weight rows' tail
+        if pid_row < GROUPS:
+            _grad_bias_rows(go_ptr, gb_ptr, pid_row, pid_n, pid_s, M, HO, WO, COUT_G, GROUPS * COUT_G, SPLIT,
+                            go_sn, go_sl, go_sc, PER_IMAGE, TMA, BLOCK_M, BLOCK_N)
+            return
+        pid_row -= GROUPS
     KK: tl.constexpr = KH * KW
     if NSEG > 1:  # a chunk spans NSEG short segments of the group
         K_RUN = CIN_G
@@ -1331,6 +1376,9 @@ def _deform_conv2d_bwd_weight_kernel(
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
     # --- store this split's partial sum ---
+    # (fp32 partials even for one split: grad_weight's own [Cout, Cin_g, kh, kw] layout has no contiguous run along
+    # either side of this [Cin_g chunk, Cout_g tile] block of one tap, and writing it there cost det-s5 2.6% of its
+    # fwd+bwd, v20, against the unpacking copy after)
     rows = ((gc * KK + tap) * CIN_G + s * SEG + offs_k).to(tl.int64)
     part = pid_s.to(tl.int64) * GROUPS * KK * CIN_G * COUT_G
     tl.store(gw_ptr + part + rows[:, None] * COUT_G + offs_n[None, :], acc, mask=k_ok[:, None] & n_ok[None, :])
@@ -1598,9 +1646,11 @@ def _operands(offset: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[
 
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], keep: Optional[dict] = None,
 ) -> Tensor:
-    """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated."""
+    """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated. keep: a dict that
+    receives "packed_weight", the packed weight in the layout the backward reads (16-bit inputs: the forward's own),
+    for deform_conv2d_backward's packed_weight."""
     # --- check and prepare ---
     off, msk = _operands(offset, mask)
     msk = msk if msk is not None else off  # the mask and bias pointers fall back to the offset; never read then
@@ -1614,6 +1664,8 @@ def deform_conv2d_forward(
                     grouped=grouped_input(geo, seg), k_major=weight_k_major(input.dtype))
     geo, seg = plan["geo"], plan["seg"]
     wp = pack_weight(weight.to(input.dtype), geo.groups, plan["k_major"])
+    if keep is not None and not plan["k_major"]:
+        keep["packed_weight"] = wp
     x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
@@ -1676,11 +1728,14 @@ def _fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: i
 def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
+    packed_weight: Optional[Tensor] = None,
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. The batch is processed in
     chunks of images (backward_chunk_images) to bound the scratch memory. Under
     torch.use_deterministic_algorithms(True) grad_input is summed in int64 fixed point (_fixed_point_scales)
-    instead of with float atomics, so every gradient is bitwise reproducible."""
+    instead of with float atomics, so every gradient is bitwise reproducible. packed_weight: the forward's
+    pack_weight(weight, groups) of the same weight in input's dtype (weight_k_major False), if it kept one
+    (deform_conv2d_forward's keep), else the weight is packed here."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
@@ -1688,7 +1743,7 @@ def deform_conv2d_backward(
     grad_out = grad_out.to(input.dtype)
     off, msk = _operands(offset, mask)
     groups = input.shape[1] // weight.shape[1]
-    wp = pack_weight(weight.to(input.dtype), groups)
+    wp = packed_weight if packed_weight is not None else pack_weight(weight.to(input.dtype), groups)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
     scales = None
     if fixed_gin:  # one scale for all chunks, from the whole grad_out
@@ -1701,11 +1756,8 @@ def deform_conv2d_backward(
     grad_off = torch.empty_like(off) if need_off else None
     grad_mask = torch.empty_like(msk) if need_mask else None
 
-    # --- grad_bias: one channel sum over the whole grad_out, in its own memory format ---
-    grad_b = _channel_sum(grad_out).to(weight.dtype) if need_b else None
-
     # --- the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
-    grad_w = None
+    grad_w = grad_b = None
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
@@ -1713,16 +1765,21 @@ def deform_conv2d_backward(
         concurrent = concurrent_backward(input, grad_out, need_in, need_in or need_off or need_mask, need_w, fixed_gin,
                                          grouped)
         step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent)
+        whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             sl = slice(n0, n0 + step)
-            part_w = _backward_images(
+            part_w, grad_b = _backward_images(
                 grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
                 weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
-                grad_mask[sl] if need_mask else None, need_w, concurrent)
+                grad_mask[sl] if need_mask else None, need_w, concurrent, whole, need_b and whole)
             if need_w:
                 grad_w = part_w if grad_w is None else grad_w.add_(part_w)
-        if need_w:
+        if need_w and not whole:
             grad_w = _unpack_weight_grad(grad_w, weight, groups)
+
+    # --- grad_bias, unless the grad_weight kernel summed it: one channel sum over grad_out, in its memory format ---
+    if need_b and grad_b is None:
+        grad_b = _channel_sum(grad_out).to(weight.dtype)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 
 
@@ -1730,12 +1787,15 @@ def _backward_images(
     grad_out: Tensor, input: Tensor, off: Tensor, wp: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
     scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
-    grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False,
-) -> Optional[Tensor]:
+    grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False, whole: bool = False, need_b: bool = False,
+) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
-    tensors, or None when not needed) and returns this chunk's grad_weight sum, packed [groups, kh*kw,
-    Cin_g, Cout_g] fp32 (None when not needed). Its scratch: the copies of input (NHWC, or offset-grouped: see
-    grouped_input) and grad_out (NHWC), and grad_input's accumulator (in the input copy's layout), freed before
+    tensors, or None when not needed) and returns (grad_weight, grad_bias): this chunk's grad_weight sum, packed
+    [groups, kh*kw, Cin_g, Cout_g] fp32, and None; or where the chunk is the whole batch (whole), grad_weight itself
+    (weight's shape, dtype and memory format) and with need_b grad_bias, which the grad_weight kernel sums beside it
+    (with split 1 its programs write grad_bias directly; else fp32 partials are summed after). Its scratch: the
+    copies of input (NHWC, or offset-grouped: see grouped_input) and grad_out (NHWC), and grad_input's accumulator
+    (in the input copy's layout), freed before
     grad_weight's partials are allocated (so the two never add up) unless concurrent (concurrent_backward): then,
     once planned, grad_weight runs on a side stream beside the grad_input kernel, its partials allocated first."""
     # --- prepare ---
@@ -1748,7 +1808,7 @@ def _backward_images(
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                     (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
-                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent)
+                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, need_b)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
@@ -1765,33 +1825,42 @@ def _backward_images(
     grouped = meta["GROUPED"]
     x = _offset_grouped(input, geo.offset_groups) if grouped else _nhwc(input)
     cout_g = geo.out_channels // geo.groups
-    grad_w = None
+    grad_w = grad_b = None
 
     # --- grad_weight's launcher (split-M partial sums, added in a fixed order) ---
-    def partials(split: int) -> Tensor:
-        return torch.empty((split, geo.groups, geo.taps, geo.in_channels // geo.groups, cout_g),
-                           dtype=torch.float32, device=input.device)
+    cin_g = geo.in_channels // geo.groups
+
+    def weight_targets(split: int) -> Tuple[Tensor, Optional[Tensor]]:
+        """Where the grad_weight kernel writes: fp32 partial sums [split, groups, kh*kw, Cin_g, Cout_g], and with
+        need_b grad_bias's: [split, Cout] fp32, or for the whole batch with split 1 the returned grad_bias itself."""
+        gw = torch.empty((split, geo.groups, geo.taps, cin_g, cout_g), dtype=torch.float32, device=input.device)
+        if not need_b:
+            return gw, None
+        if whole and split == 1:
+            return gw, torch.empty((geo.out_channels,), dtype=weight.dtype, device=input.device)
+        return gw, torch.empty((split, geo.out_channels), dtype=torch.float32, device=input.device)
 
     def weight_go(run: _Launch):
         """grad_weight's grad_out argument: the tensor, or its TMA descriptor."""
         m = run.meta
         return _grad_out_descriptor(go, m["PER_IMAGE"], m["BLOCK_M"], m["BLOCK_N"]) if m["TMA"] else go
 
-    def launch_weight(cfg: Config, part: Optional[Tensor] = None):
-        part = partials(cfg.split) if part is None else part
-        grid = (_weight_rows(geo, seg, cfg.block_k), triton.cdiv(cout_g, cfg.block_n), cfg.split)
+    def launch_weight(cfg: Config, targets: Optional[Tuple[Tensor, Optional[Tensor]]] = None):
+        gw, gb = weight_targets(cfg.split) if targets is None else targets
+        grid = (_weight_rows(geo, seg, cfg.block_k) + (geo.groups if need_b else 0), triton.cdiv(cout_g, cfg.block_n),
+                cfg.split)
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
         even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
         # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)
         tma = (_grad_out_tma_ok(go, geo, cfg.block_n)
                and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
-        weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma,
+        weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma, NEED_BIAS=need_b,
                            PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
-        run = _Launch(_deform_conv2d_bwd_weight_kernel, grid, (*args[:10], geo.groups, cfg.split, *args[10:]),
-                      weight_meta)
-        run(x, off, msk, weight_go(run), part)
-        return part, run
+        run = _Launch(_deform_conv2d_bwd_weight_kernel, grid,
+                      (*args[:10], geo.groups, cfg.split, *args[10:]), weight_meta)
+        run(x, off, msk, weight_go(run), gw, gb if gb is not None else gw)
+        return (gw, gb), run
 
     weight_cfg = None
     if need_w and "weight" not in plan:  # the first call: its config (any timing of candidates runs here)
@@ -1799,16 +1868,17 @@ def _backward_images(
         weight_cfg = _pick_config(shape_class, _bwd_weight_candidates(geo, seg, input.dtype, input.device, concurrent),
                                   launch_weight, input.device)
 
-    def weight_partials() -> Tensor:
-        return partials(plan["weight"][0] if weight_cfg is None else weight_cfg.split)
+    def weight_partials() -> Tuple[Tensor, Optional[Tensor]]:
+        return weight_targets(plan["weight"][0] if weight_cfg is None else weight_cfg.split)
 
-    def grad_weight_into(part: Tensor) -> None:
-        """grad_weight's partial sums into part, on the current stream (planned at the first call)."""
+    def grad_weight_into(targets: Tuple[Tensor, Optional[Tensor]]) -> None:
+        """grad_weight (and grad_bias) or their partial sums into targets, on the current stream (planned at the
+        first call)."""
         if weight_cfg is None:
             run = plan["weight"][1]
-            run(x, off, msk, weight_go(run), part)
+            run(x, off, msk, weight_go(run), targets[0], targets[1] if targets[1] is not None else targets[0])
         else:
-            plan["weight"] = (weight_cfg.split, launch_weight(weight_cfg, part)[1])
+            plan["weight"] = (weight_cfg.split, launch_weight(weight_cfg, targets)[1])
 
     # Concurrent: grad_weight on the side stream from here, beside the grad_input kernel (not while that kernel's
     # candidates are timed: DEFORMCONV_AUTOTUNE's first call). Every tensor it reads or writes was allocated on this
@@ -1887,7 +1957,13 @@ def _backward_images(
         if side is None:  # after the accumulator is freed: the partials take its memory
             part = weight_partials()
             grad_weight_into(part)
-        grad_w = part[0] if part.shape[0] == 1 else part.sum(0)
+        gw, gb = part
         del part
+        # the split partials summed in a fixed order: this chunk's packed sum, or the finished gradients
+        grad_w = gw[0] if gw.shape[0] == 1 else gw.sum(0)
+        if whole:
+            grad_w = _unpack_weight_grad(grad_w, weight, geo.groups)
+            if need_b:
+                grad_b = gb if gb.dim() == 1 else gb.sum(0).to(weight.dtype)
     _remember(_PLANS, key, plan)
-    return grad_w
+    return grad_w, grad_b
