@@ -363,14 +363,13 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("split", [1, 3], ids=["split-1-bias-written-directly", "split-3-partials-summed"])
+@pytest.mark.parametrize("split", [1, 3], ids=["split-1-channel-sum", "split-3-bias-fused"])
 @pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
 @pytest.mark.parametrize("config", ["3x3-pad1", "zero-mask-no-bias", "groups2-og4-packed-tail", "nonsquare-og4"])
-def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout, config,
-                                                              monkeypatch):
-    """In a one-chunk backward the grad_weight kernel also sums grad_bias, in extra programs: with split 1 straight
-    into the returned tensor, else into fp32 partials summed after; no separate channel sum runs. Both give the
-    oracle's gradients, with either weight layout (grad_weight comes back in the weight's)."""
+def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout, config, monkeypatch):
+    """In a one-chunk backward whose grad_weight is split (fused_bias) the grad_weight kernel also sums grad_bias, in
+    extra programs, into fp32 partials summed after, and no separate channel sum runs; with split 1 the channel sum
+    does. Both give the oracle's gradients, with either weight layout (grad_weight comes back in the weight's)."""
     import dataclasses
 
     from deformconv.ops import deform_conv2d as kernels
@@ -387,10 +386,11 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout,
     if weight_layout == "channels_last":
         leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
-    assert sums == []
+    fused = leaves64[3] is not None and split > 1
+    assert len(sums) == (1 if leaves64[3] is not None and not fused else 0)
     assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_weight"] == [split]
     metas = [m for m in launch_metas(kernels) if "NEED_BIAS" in m]
-    assert [m["NEED_BIAS"] for m in metas] == [leaves64[3] is not None]
+    assert [m["NEED_BIAS"] for m in metas] == [fused]
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)

@@ -507,6 +507,15 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
     return _budget_images(input, per_image) >= batch
 
 
+def fused_bias(need_b: bool, split: int) -> bool:
+    """Whether the grad_weight kernel sums grad_bias too (GROUPS more rows of programs, _grad_bias_rows), where the
+    backward is one chunk: instead of the channel-sum launch, its sum and its cast (three GPU operations fewer, two
+    small ones more: the partials' sum and cast). Only where grad_weight's M tiles are split (split > 1): H200, fp16
+    fwd+bwd, graph, the same process without and with it (v20, benchmarks/NOTES.md): cls-14 (split 4) 0.397 -> 0.391
+    ms, but det-s5 (split 1) 0.605 -> 0.658, cause not found; so at split 1 the channel sum stays."""
+    return need_b and split > 1
+
+
 def side_streams_usable(device: torch.device) -> bool:
     """CUDA, and DEFORMCONV_BACKWARD_STREAMS is not "0"."""
     return device.type == "cuda" and os.environ.get("DEFORMCONV_BACKWARD_STREAMS", "1") != "0"
@@ -1242,9 +1251,8 @@ def _deform_conv2d_bwd_data_kernel(
 def _grad_bias_rows(go_ptr, gb_ptr, gc, pid_n, pid_s, M, HO, WO, COUT_G, COUT, SPLIT, go_sn, go_sl, go_sc,
                     PER_IMAGE: tl.constexpr, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """grad_bias's share of a grad_weight program (conv group gc, N tile pid_n, split pid_s): the sum over this
-    split's M tiles of grad_out's channels gc*Cout_g + pid_n*BLOCK_N.., in fp32, into gb_ptr[pid_s, ...] (fp32
-    partials [SPLIT, Cout], or with SPLIT = 1 grad_bias itself). The same tiles, in the same order, as the
-    grad_weight programs beside it read."""
+    split's M tiles of grad_out's channels gc*Cout_g + pid_n*BLOCK_N.., in fp32, into the partials gb_ptr[pid_s, ...]
+    ([SPLIT, Cout]). The same tiles, in the same order, as the grad_weight programs beside it read."""
     L = HO * WO
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < COUT_G
@@ -1270,7 +1278,7 @@ def _grad_bias_rows(go_ptr, gb_ptr, gc, pid_n, pid_s, M, HO, WO, COUT_G, COUT, S
             cols = (gc * COUT_G + offs_n).to(tl.int64) * go_sc
             go = tl.load(go_ptr + row[:, None] + cols[None, :], mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc += tl.sum(go.to(tl.float32), axis=0)
-    tl.store(gb_ptr + pid_s.to(tl.int64) * COUT + gc * COUT_G + offs_n, acc.to(gb_ptr.dtype.element_ty), mask=n_ok)
+    tl.store(gb_ptr + pid_s.to(tl.int64) * COUT + gc * COUT_G + offs_n, acc, mask=n_ok)
 
 
 @triton.jit
@@ -1281,7 +1289,7 @@ def _deform_conv2d_bwd_weight_kernel(
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA a descriptor (_grad_out_tile)
     gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
-    gb_ptr,       # grad_bias: fp32 partial sums [SPLIT, Cout], or (SPLIT = 1) grad_bias itself [Cout] (NEED_BIAS)
+    gb_ptr,       # grad_bias's fp32 partial sums [SPLIT, Cout] (written only with NEED_BIAS)
     # sizes
     H, W, CIN, HO, WO, M,
     CIN_G, COUT_G, COG, G, GROUPS, SPLIT,
@@ -1301,9 +1309,8 @@ def _deform_conv2d_bwd_weight_kernel(
 ):
     """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward; with
     NEED_BIAS also grad_bias[gc*Cout_g + n] = sum_m grad_out[m, gc*Cout_g + n] (_grad_bias_rows). Split-M: program
-    (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in a fixed order (grad_bias with
-    SPLIT = 1: its programs write it, in its dtype). Grid: ([groups +] groups*KK*segments*K-chunks, N tiles,
-    SPLIT)."""
+    (row, n, s) sums the M tiles s, s+SPLIT, ...; the host sums the SPLIT partials in a fixed order. Grid:
+    ([groups +] groups*KK*segments*K-chunks, N tiles, SPLIT)."""
     tl.static_assert(NSEG > 1 or not GROUPED, "the offset-grouped input layout is for packed segments")
     # --- which (conv group, tap, segment, channel chunk), which N tile, which split ---
     pid_row = tl.program_id(0)
@@ -1777,7 +1784,7 @@ def deform_conv2d_backward(
         if need_w and not whole:
             grad_w = _unpack_weight_grad(grad_w, weight, groups)
 
-    # --- grad_bias, unless the grad_weight kernel summed it: one channel sum over grad_out, in its memory format ---
+    # --- grad_bias, unless the grad_weight kernel summed it (fused_bias): one channel sum over grad_out ---
     if need_b and grad_b is None:
         grad_b = _channel_sum(grad_out).to(weight.dtype)
     return grad_in, grad_off, grad_mask, grad_w, grad_b
@@ -1792,8 +1799,8 @@ def _backward_images(
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns (grad_weight, grad_bias): this chunk's grad_weight sum, packed
     [groups, kh*kw, Cin_g, Cout_g] fp32, and None; or where the chunk is the whole batch (whole), grad_weight itself
-    (weight's shape, dtype and memory format) and with need_b grad_bias, which the grad_weight kernel sums beside it
-    (with split 1 its programs write grad_bias directly; else fp32 partials are summed after). Its scratch: the
+    (weight's shape, dtype and memory format) and, with need_b where grad_weight's split is more than 1
+    (fused_bias), grad_bias, which the grad_weight kernel then sums beside it (else None). Its scratch: the
     copies of input (NHWC, or offset-grouped: see grouped_input) and grad_out (NHWC), and grad_input's accumulator
     (in the input copy's layout), freed before
     grad_weight's partials are allocated (so the two never add up) unless concurrent (concurrent_backward): then,
@@ -1831,13 +1838,11 @@ def _backward_images(
     cin_g = geo.in_channels // geo.groups
 
     def weight_targets(split: int) -> Tuple[Tensor, Optional[Tensor]]:
-        """Where the grad_weight kernel writes: fp32 partial sums [split, groups, kh*kw, Cin_g, Cout_g], and with
-        need_b grad_bias's: [split, Cout] fp32, or for the whole batch with split 1 the returned grad_bias itself."""
+        """Where the grad_weight kernel writes: fp32 partial sums [split, groups, kh*kw, Cin_g, Cout_g], and where it
+        sums grad_bias (fused_bias), grad_bias's [split, Cout]."""
         gw = torch.empty((split, geo.groups, geo.taps, cin_g, cout_g), dtype=torch.float32, device=input.device)
-        if not need_b:
+        if not fused_bias(need_b, split):
             return gw, None
-        if whole and split == 1:
-            return gw, torch.empty((geo.out_channels,), dtype=weight.dtype, device=input.device)
         return gw, torch.empty((split, geo.out_channels), dtype=torch.float32, device=input.device)
 
     def weight_go(run: _Launch):
@@ -1847,14 +1852,15 @@ def _backward_images(
 
     def launch_weight(cfg: Config, targets: Optional[Tuple[Tensor, Optional[Tensor]]] = None):
         gw, gb = weight_targets(cfg.split) if targets is None else targets
-        grid = (_weight_rows(geo, seg, cfg.block_k) + (geo.groups if need_b else 0), triton.cdiv(cout_g, cfg.block_n),
+        fuse = fused_bias(need_b, cfg.split)
+        grid = (_weight_rows(geo, seg, cfg.block_k) + (geo.groups if fuse else 0), triton.cdiv(cout_g, cfg.block_n),
                 cfg.split)
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
         even_k = _even_k(geo, seg, cfg.block_k, "bwd_weight")
         # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)
         tma = (_grad_out_tma_ok(go, geo, cfg.block_n)
                and _tma_launch(cfg, input.dtype, True, [(go, geo.out_channels)]))
-        weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma, NEED_BIAS=need_b,
+        weight_meta = dict(meta, NSEG=nseg, EVEN_K=even_k, TMA=tma, NEED_BIAS=fuse,
                            PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_bwd_weight_kernel, grid,
@@ -1963,7 +1969,7 @@ def _backward_images(
         grad_w = gw[0] if gw.shape[0] == 1 else gw.sum(0)
         if whole:
             grad_w = _unpack_weight_grad(grad_w, weight, geo.groups)
-            if need_b:
-                grad_b = gb if gb.dim() == 1 else gb.sum(0).to(weight.dtype)
+            if gb is not None:
+                grad_b = gb.sum(0).to(weight.dtype)
     _remember(_PLANS, key, plan)
     return grad_w, grad_b
