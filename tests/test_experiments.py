@@ -66,8 +66,8 @@ def test_backward_parts_agree_with_the_full_backward(capsys, monkeypatch):
 
 
 def test_ptx_summary_compiles_every_kernel_for_sm90():
-    """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs,
-    and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in
+    """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs (grad_weight
+    with and without its grad_bias rows), and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in
     SASS. In a subprocess: it needs the compiled (not interpreted) kernels, and this process may run under
     TRITON_INTERPRET=1."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -78,7 +78,7 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 3, proc.stdout
+    assert len(lines) == 4 and "weight +bias" in lines[3], proc.stdout
     assert all("wgmma.mma_async" in line for line in lines), lines
     assert "atom.global.gpu.relaxed.add.v4.f32" in lines[1], lines[1]
     if all("regs=" in line for line in lines):  # cuobjdump found: the K loop's SASS is counted too
@@ -122,6 +122,22 @@ def test_host_cost_without_kernels_times_the_host_path(capsys):
     assert len(records) == 1 and records[0]["no_kernels"] and records[0]["cpu_ms"] > 0
     assert kernels._Launch.__call__ is call
     assert "| shape | dtype | CPU ms a step |" in capsys.readouterr().out
+
+
+def test_host_cost_sections_time_the_backend_functions(capsys):
+    """--sections times each backend function and kernel launch of a step, then puts the functions back."""
+    host = _load("host_cost")
+    from deformconv.ops import deform_conv2d as kernels
+
+    before = [getattr(mod, name) for mod, name in host.SECTION_FUNCTIONS]
+    call = kernels._Launch.__call__
+    records = host.main(["--shape", "1,8,8,5,6,3,1", "--dtypes", "float32", "--steps", "2", "--sections"])
+    sections = records[0]["sections_us"]
+    assert sections["deform_conv2d_backward"] >= sections["_backward_images"] > 0
+    assert any(label.startswith("launch _deform_conv2d_fwd_kernel") for label in sections)
+    assert [getattr(mod, name) for mod, name in host.SECTION_FUNCTIONS] == before
+    assert kernels._Launch.__call__ is call
+    assert "| section | CPU us a step (inclusive) |" in capsys.readouterr().out
 
 
 def test_atomic_ceiling_sums_exactly(capsys):

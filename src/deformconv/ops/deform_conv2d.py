@@ -1383,9 +1383,9 @@ def _deform_conv2d_bwd_weight_kernel(
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
     # --- store this split's partial sum ---
-    # (fp32 partials even for one split: grad_weight's own [Cout, Cin_g, kh, kw] layout has no contiguous run along
-    # either side of this [Cin_g chunk, Cout_g tile] block of one tap, and writing it there cost det-s5 2.6% of its
-    # fwd+bwd, v20, against the unpacking copy after)
+    # (fp32 partials even for one split, unpacked by a copy after: writing grad_weight's own [Cout, Cin_g, kh, kw]
+    # layout here, which has no contiguous run along either side of this block, was tried in v20 but not timed apart
+    # from the fused grad_bias: benchmarks/NOTES.md)
     rows = ((gc * KK + tap) * CIN_G + s * SEG + offs_k).to(tl.int64)
     part = pid_s.to(tl.int64) * GROUPS * KK * CIN_G * COUT_G
     tl.store(gw_ptr + part + rows[:, None] * COUT_G + offs_n[None, :], acc, mask=k_ok[:, None] & n_ok[None, :])
@@ -1878,8 +1878,8 @@ def _backward_images(
         return weight_targets(plan["weight"][0] if weight_cfg is None else weight_cfg.split)
 
     def grad_weight_into(targets: Tuple[Tensor, Optional[Tensor]]) -> None:
-        """grad_weight (and grad_bias) or their partial sums into targets, on the current stream (planned at the
-        first call)."""
+        """grad_weight's partial sums (and grad_bias's, where fused) into targets, on the current stream (planned at
+        the first call)."""
         if weight_cfg is None:
             run = plan["weight"][1]
             run(x, off, msk, weight_go(run), targets[0], targets[1] if targets[1] is not None else targets[0])
