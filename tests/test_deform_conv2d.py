@@ -429,6 +429,42 @@ def test_backward_reuses_the_forward_packed_weight(backend, dtype, monkeypatch):
     assert len(packs) == 2 and weight.grad is not None
 
 
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("wrapper", ["saved-tensor-hooks", "checkpoint"])
+def test_kept_tensors_go_through_saved_tensor_hooks_and_checkpointing(backend, dtype, wrapper):
+    """What the eager forward keeps for its backward (the packed weight) is saved like the inputs: under
+    saved_tensors_hooks every saved tensor goes through pack/unpack, and under non-reentrant activation checkpointing
+    the forward is recomputed; the gradients are bitwise those of a plain run either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=29)
+
+    def grads(run):
+        leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in _with_grad(args, kwargs, dtype)]
+        x, offset, weight, bias, mask = leaves
+
+        def layer(*t):
+            return deformconv.deform_conv2d(*t[:4], stride=kwargs["stride"], padding=kwargs["padding"],
+                                            dilation=kwargs["dilation"], mask=t[4], backend=backend)
+        run(layer, leaves).square().sum().backward()
+        return [t.grad for t in leaves]
+
+    packed = []
+    if wrapper == "saved-tensor-hooks":
+        def run(layer, leaves):
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t.shape) or t.clone(), lambda t: t):
+                return layer(*leaves)
+    else:
+        def run(layer, leaves):
+            return checkpoint(layer, *leaves, use_reentrant=False)
+    for name, g, ref in zip(GRAD_NAMES, grads(run), grads(lambda layer, leaves: layer(*leaves))):
+        torch.testing.assert_close(g, ref, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
+    if wrapper == "saved-tensor-hooks":  # input, offset, weight, mask, and (Triton, 16-bit) the packed weight
+        from deformconv.ops import deform_conv2d as kernels
+
+        assert len(packed) == (5 if backend == "triton" and not kernels.weight_k_major(dtype) else 4)
+
+
 # long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)
 # loop; the last case has two segments of 6 channels a conv group
 LONG_SEGMENT_CASES = {

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .library import _setup_context, backward_impl, forward_impl, input_grads, kept_tensors
+from .library import _setup_context, backward_impl, forward_impl, input_grads
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _DEVICES = ("cuda", "cpu")
@@ -57,5 +57,4 @@ class DeformConv2dFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        kept = kept_tensors(ctx)
-        return input_grads(ctx, grad_out, lambda *a: backward_impl(*a, keep=kept))
+        return input_grads(ctx, grad_out, backward_impl, pass_kept=True)

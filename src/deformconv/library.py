@@ -130,7 +130,7 @@ def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, b
 
 def _setup_context(ctx, inputs, output, kept: Optional[dict] = None):
     """What the backward needs; also used by the eager path's autograd.Function (deformconv/eager.py), which
-    saves what its forward kept beside (kept: see Backend.forward; kept_tensors reads it back)."""
+    saves what its forward kept beside (kept: see Backend.forward; input_grads hands it back)."""
     input, offset, weight, bias, mask, stride, padding, dilation, backend = inputs
     kept = kept or {}
     ctx.save_for_backward(input, offset, weight, mask, *kept.values())
@@ -147,25 +147,24 @@ def grad_needs(needs_input_grad, has_bias: bool, has_mask: bool) -> List[bool]:
     return [bool(n_in), bool(n_off), bool(n_mask and has_mask), bool(n_w), bool(n_b and has_bias)]
 
 
-def input_grads(ctx, grad_out, backward):
+def input_grads(ctx, grad_out, backward, pass_kept: bool = False):
     """The autograd backward, in the forward's argument order, with ``backward`` computing the gradients
-    (the backward op here, ``backward_impl`` in the eager path)."""
-    input, offset, weight, mask = ctx.saved_tensors[:4]
+    (the backward op here, ``backward_impl`` in the eager path, which with pass_kept also gets what the forward kept:
+    _setup_context's kept, as keep=). The saved tensors are read once (activation checkpointing allows no more)."""
+    saved = ctx.saved_tensors
+    input, offset, weight, mask = saved[:4]
     stride, padding, dilation, backend = ctx.params
     needs = grad_needs(ctx.needs_input_grad, ctx.has_bias, ctx.has_mask)
     if not any(needs):
         return (None,) * 9
-    g_in, g_off, g_mask, g_w, g_b = backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
+    kept = dict(keep=dict(zip(ctx.kept_names, saved[4:]))) if pass_kept else {}
+    g_in, g_off, g_mask, g_w, g_b = backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs,
+                                             backend, **kept)
     pick = lambda g, need: g if need else None  # noqa: E731
     return (
         pick(g_in, needs[0]), pick(g_off, needs[1]), pick(g_w, needs[3]), pick(g_b, needs[4]),
         pick(g_mask, needs[2]), None, None, None, None,
     )
-
-
-def kept_tensors(ctx) -> dict:
-    """What the forward kept (_setup_context's kept), from the saved tensors."""
-    return dict(zip(ctx.kept_names, ctx.saved_tensors[4:]))
 
 
 def _backward(ctx, grad_out):
