@@ -40,7 +40,9 @@ import deformconv.ops.deform_conv2d as kernels
 from common import add_shape_args, finish, layer_inputs, markdown, shapes_from_args
 
 
-def measure(shape, dtype_name: str, device: torch.device, steps: int, profile: bool, log=print) -> dict:
+def layer_step(shape, dtype_name: str, device: torch.device):
+    """(forward, step) of the benchmark layer on fresh inputs: the Triton forward, and an eager forward+backward of all
+    five gradients (the leaves' grads reset first)."""
     x, off, w, b, m, (stride, padding, dilation) = layer_inputs(shape, dtype_name, device)
     leaves = [t.requires_grad_(True) for t in (x, off, w, b, m)]
 
@@ -49,13 +51,18 @@ def measure(shape, dtype_name: str, device: torch.device, steps: int, profile: b
                                         mask=leaves[4], backend="triton")
 
     grad_out = torch.randn_like(forward())
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     def step():
         for t in leaves:
             t.grad = None
         forward().backward(grad_out)
 
+    return forward, step
+
+
+def measure(shape, dtype_name: str, device: torch.device, steps: int, profile: bool, log=print) -> dict:
+    forward, step = layer_step(shape, dtype_name, device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(3):
         step()
     sync()
@@ -98,20 +105,7 @@ def measure(shape, dtype_name: str, device: torch.device, steps: int, profile: b
 def time_sections(shape, dtype_name: str, device: torch.device, steps: int, log=print) -> dict:
     """steps eager fwd+bwd steps (after 3 untimed) with sections_timed; prints sections_table and returns label -> CPU us
     a step."""
-    x, off, w, b, m, (stride, padding, dilation) = layer_inputs(shape, dtype_name, device)
-    leaves = [t.requires_grad_(True) for t in (x, off, w, b, m)]
-
-    def forward():
-        return deformconv.deform_conv2d(leaves[0], leaves[1], leaves[2], leaves[3], stride, padding, dilation,
-                                        mask=leaves[4], backend="triton")
-
-    grad_out = torch.randn_like(forward())
-
-    def step():
-        for t in leaves:
-            t.grad = None
-        forward().backward(grad_out)
-
+    _, step = layer_step(shape, dtype_name, device)
     for _ in range(3):
         step()
     totals: dict = {}

@@ -1845,6 +1845,11 @@ def _backward_images(
             return gw, None
         return gw, torch.empty((split, geo.out_channels), dtype=torch.float32, device=input.device)
 
+    def weight_pointers(targets: Tuple[Tensor, Optional[Tensor]]) -> Tuple[Tensor, Tensor]:
+        """The kernel's gw_ptr and gb_ptr for weight_targets' (gw, gb): gb_ptr falls back to gw, never written then."""
+        gw, gb = targets
+        return gw, gb if gb is not None else gw
+
     def weight_go(run: _Launch):
         """grad_weight's grad_out argument: the tensor, or its TMA descriptor."""
         m = run.meta
@@ -1852,7 +1857,7 @@ def _backward_images(
 
     def launch_weight(cfg: Config, targets: Optional[Tuple[Tensor, Optional[Tensor]]] = None):
         gw, gb = weight_targets(cfg.split) if targets is None else targets
-        fuse = fused_bias(need_b, cfg.split)
+        fuse = gb is not None  # grad_bias's partials exist where it is fused (weight_targets)
         grid = (_weight_rows(geo, seg, cfg.block_k) + (geo.groups if fuse else 0), triton.cdiv(cout_g, cfg.block_n),
                 cfg.split)
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
@@ -1865,7 +1870,7 @@ def _backward_images(
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_bwd_weight_kernel, grid,
                       (*args[:10], geo.groups, cfg.split, *args[10:]), weight_meta)
-        run(x, off, msk, weight_go(run), gw, gb if gb is not None else gw)
+        run(x, off, msk, weight_go(run), *weight_pointers((gw, gb)))
         return (gw, gb), run
 
     weight_cfg = None
@@ -1882,7 +1887,7 @@ def _backward_images(
         the first call)."""
         if weight_cfg is None:
             run = plan["weight"][1]
-            run(x, off, msk, weight_go(run), targets[0], targets[1] if targets[1] is not None else targets[0])
+            run(x, off, msk, weight_go(run), *weight_pointers(targets))
         else:
             plan["weight"] = (weight_cfg.split, launch_weight(weight_cfg, targets)[1])
 
