@@ -106,3 +106,47 @@ def launch_metas(kernels):
     """The meta-parameters (constexprs) of the planned launches, forward then grad_input then grad_weight kernel."""
     launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]
     return [(run[1] if isinstance(run, tuple) else run).meta for run in launches]  # weight plans: (split, launch)
+
+
+# _finish_grads cases: (conv groups, grad_weight's partials or None, grad_bias's partials or None, weight layout)
+FINISH_CASES = [(1, 3, 5, "contiguous"), (2, 1, 7, "channels_last"), (3, 4, None, "channels_last"), (1, None, 2, "contiguous")]
+FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups3-split4-no-bias-channels-last",
+                   "bias-only"]
+
+
+def check_finish_grads(device, dtype, groups, split_w, split_b, layout, monkeypatch):
+    """_finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
+    (inverse of pack_weight) and cast; grad_bias likewise from its partials. Bitwise the sequential fp32 sum (then
+    rounded to dtype), every element written (the outputs come from NaN-filled allocations)."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    cout, cin_g, kh, kw = 6 * groups, 5, 3, 2
+    g = torch.Generator().manual_seed(groups * 100 + (split_w or 0) * 10 + (split_b or 0))
+    weight = torch.randn(cout, cin_g, kh, kw, generator=g).to(device, dtype)
+    fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
+    weight = weight.contiguous(memory_format=fmt)
+    pw = None if split_w is None else torch.randn(split_w, groups, kh * kw, cin_g, cout // groups, generator=g).to(device)
+    pb = None if split_b is None else torch.randn(split_b, cout, generator=g).to(device)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    gw, gb = kernels._finish_grads(weight, pw, pb)
+    monkeypatch.setattr(torch, "empty", real_empty)
+
+    def in_order(parts):
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total
+
+    if pw is None:
+        assert gw is None
+    else:
+        packed = in_order(pw)  # [groups, kh*kw, Cin_g, Cout_g]
+        want = packed.permute(0, 3, 2, 1).reshape(cout, cin_g, kh, kw).to(dtype)
+        assert gw.dtype == dtype and gw.is_contiguous(memory_format=fmt)
+        torch.testing.assert_close(gw, want, atol=0, rtol=0)
+    if pb is None:
+        assert gb is None
+    else:
+        assert gb.dtype == dtype
+        torch.testing.assert_close(gb, in_order(pb).to(dtype), atol=0, rtol=0)

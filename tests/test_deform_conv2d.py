@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import deformconv
-from conftest import assert_close, assert_near_rounding, force_tma, launch_metas, make_case
+from conftest import (FINISH_CASE_IDS, FINISH_CASES, assert_close, assert_near_rounding, check_finish_grads, force_tma,
+                      launch_metas, make_case)
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -381,19 +382,59 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout,
     monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
     monkeypatch.setattr(kernels, "_PLANS", {})
     monkeypatch.setattr(kernels, "_TUNED", {})
-    sums = []
-    real_sum = kernels._channel_sum
+    sums, finishes = [], []
+    real_sum, real_finish = kernels._channel_sum, kernels._finish_grads
     monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
+    monkeypatch.setattr(kernels, "_finish_grads",
+                        lambda w, pw, pb: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
         leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
-    fused = leaves64[3] is not None and split > 1
-    assert len(sums) == (1 if leaves64[3] is not None and not fused else 0)
+    has_bias = leaves64[3] is not None
+    fused = has_bias and split > 1
+    assert len(sums) == (1 if has_bias and not fused else 0)
     assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_weight"] == [split]
     metas = [m for m in launch_metas(kernels) if "NEED_BIAS" in m]
     assert [m["NEED_BIAS"] for m in metas] == [fused]
+    # split 1: the kernel stores grad_weight itself, the finishing launch only sums the channel sum's partials (if a
+    # bias); split 3: it finishes grad_weight, with grad_bias's partials where fused
+    assert finishes == ([(False, True)] if has_bias else []) if split == 1 else [(True, fused)]
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("direct", [True, False], ids=["stored-by-its-kernel", "finished-from-partials"])
+@pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
+def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch):
+    """At split 1 in a one-chunk backward the grad_weight kernel writes grad_weight in the weight's layout and dtype
+    (DIRECT_GRAD_WEIGHT), or, turned off, fp32 partials that _finish_grads unpacks: the oracle's gradients either way,
+    in the weight's memory format."""
+    import dataclasses
+
+    from deformconv.ops import deform_conv2d as kernels
+
+    real = kernels._bwd_weight_candidates
+    monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=1)])
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "_TUNED", {})
+    monkeypatch.setattr(kernels, "DIRECT_GRAD_WEIGHT", direct)
+    finishes = []
+    real_finish = kernels._finish_grads
+    monkeypatch.setattr(kernels, "_finish_grads",
+                        lambda w, pw, pb: finishes.append(pw is not None) or real_finish(w, pw, pb))
+    config = "groups2-og4-packed-tail"
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    if weight_layout == "channels_last":
+        leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    assert leaves64[3] is not None  # a bias: its channel sum's partials are finished either way
+    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    assert finishes == [not direct]  # one finishing launch (grad_bias), with grad_weight's partials unless direct
+    x, offset, weight, bias, _ = (t.detach().to(dtype).requires_grad_(True) for t in leaves64)
+    deformconv.deform_conv2d(x, offset, weight, bias, **kwargs, backend=backend).sum().backward()
+    fmt = torch.channels_last if weight_layout == "channels_last" else torch.contiguous_format
+    assert weight.grad.is_contiguous(memory_format=fmt) and weight.grad.dtype == dtype
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -782,6 +823,14 @@ def test_bias_gradient_alone(backend, dtype, layout):
         assert grad_out.is_contiguous(memory_format=torch.channels_last)
     out.backward(grad_out.to(dtype))
     assert_close(b.grad, grad_out.to(dtype).double().sum((0, 2, 3)), dtype, "grad_bias")
+
+
+@pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)  # bf16: on the GPU (the interpreter's
+@pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)          # bf16 cast truncates)
+def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, monkeypatch):
+    """_finish_grads on the CPU (interpreter): see conftest.check_finish_grads."""
+    check_finish_grads("cpu", dtype, *case, monkeypatch)
 
 
 @pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")

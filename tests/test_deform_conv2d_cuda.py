@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import deformconv
-from conftest import HAS_CUDA, assert_close, assert_near_rounding, force_tma, launch_metas, make_case
+from conftest import (FINISH_CASE_IDS, FINISH_CASES, HAS_CUDA, assert_close, assert_near_rounding, check_finish_grads,
+                      force_tma, launch_metas, make_case)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -446,3 +447,10 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
     step()
     for name, g, r in zip(NAMES, chunked, [t.grad for t in leaves]):
         assert_close(g, r, torch.float16, f"grad_{name} (chunked vs whole batch)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)
+def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, monkeypatch):
+    """The backward's finishing launch on the GPU, bf16 included: see conftest.check_finish_grads."""
+    check_finish_grads("cuda", dtype, *case, monkeypatch)

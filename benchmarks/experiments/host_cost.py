@@ -135,7 +135,7 @@ def launches_skipped(skip: bool):
 # Backend functions timed by --sections: (module, name); calls from inside the package go through these attributes.
 SECTION_FUNCTIONS = [(kernels, n) for n in (
     "deform_conv2d_forward", "deform_conv2d_backward", "_backward_images", "_channel_sum", "_nhwc", "pack_weight",
-    "_unpack_weight_grad", "_from_offset_grouped", "_plan_key", "_weight_descriptor", "_grad_out_descriptor",
+    "_finish_grads", "_from_offset_grouped", "_plan_key", "_weight_descriptor", "_grad_out_descriptor",
     "concurrent_backward", "backward_chunk_images", "geometry_from_tensors")] + [
     (functional, "check_deform_conv2d_args"), (functional, "fast_path_ok"), (eager, "forward_impl"),
     (eager, "backward_impl"), (library, "_backend_for")]

@@ -516,6 +516,17 @@ def fused_bias(need_b: bool, split: int) -> bool:
     return need_b and split > 1
 
 
+# grad_weight written by its kernel in the weight's own layout and dtype where a single split makes it final (a one-chunk
+# backward): no fp32 partials (det-s5 fp16: 9 MiB), no finishing pass over them. See direct_grad_weight.
+DIRECT_GRAD_WEIGHT = True
+
+
+def direct_grad_weight(whole: bool, split: int) -> bool:
+    """Whether the grad_weight kernel stores grad_weight itself (DIRECT_GRAD_WEIGHT, a one-chunk backward, split 1)
+    instead of fp32 partial sums for _finish_grads."""
+    return DIRECT_GRAD_WEIGHT and whole and split == 1
+
+
 def side_streams_usable(device: torch.device) -> bool:
     """CUDA, and DEFORMCONV_BACKWARD_STREAMS is not "0"."""
     return device.type == "cuda" and os.environ.get("DEFORMCONV_BACKWARD_STREAMS", "1") != "0"
@@ -1288,7 +1299,8 @@ def _deform_conv2d_bwd_weight_kernel(
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
     msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA a descriptor (_grad_out_tile)
-    gw_ptr,       # fp32 partial sums [SPLIT, groups, KH*KW, Cin_g, Cout_g]
+    gw_ptr,       # where the SPLIT sums go, strides below, cast to its dtype: fp32 partial sums [SPLIT, groups, KH*KW,
+                  # Cin_g, Cout_g], or with SPLIT 1 grad_weight itself [Cout, Cin_g, KH, KW] in the weight's dtype and layout
     gb_ptr,       # grad_bias's fp32 partial sums [SPLIT, Cout] (written only with NEED_BIAS)
     # sizes
     H, W, CIN, HO, WO, M,
@@ -1297,6 +1309,9 @@ def _deform_conv2d_bwd_weight_kernel(
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
     # grad_out strides in elements: image, position, channel
     go_sn, go_sl, go_sc,
+    # gw_ptr's strides in elements: split, conv group, tap row, tap column, input channel (of the group), output
+    # channel (of the group)
+    gw_ss, gw_sg, gw_sh, gw_sw, gw_si, gw_so,
     # meta
     KH: tl.constexpr, KW: tl.constexpr, SEG: tl.constexpr, HAS_MASK: tl.constexpr, EVEN_K: tl.constexpr,
     NSEG: tl.constexpr,           # segments per K chunk: 1, or BLOCK_K // SEG when segments are short
@@ -1382,13 +1397,11 @@ def _deform_conv2d_bwd_weight_kernel(
                          mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(tl.trans(a.to(go.dtype)), go, acc, input_precision=DOT_PRECISION)
 
-    # --- store this split's partial sum ---
-    # (fp32 partials even for one split, unpacked by a copy after: writing grad_weight's own [Cout, Cin_g, kh, kw]
-    # layout here, which has no contiguous run along either side of this block, was tried in v20 but not timed apart
-    # from the fused grad_bias: benchmarks/NOTES.md)
-    rows = ((gc * KK + tap) * CIN_G + s * SEG + offs_k).to(tl.int64)
-    part = pid_s.to(tl.int64) * GROUPS * KK * CIN_G * COUT_G
-    tl.store(gw_ptr + part + rows[:, None] * COUT_G + offs_n[None, :], acc, mask=k_ok[:, None] & n_ok[None, :])
+    # --- store this split's sum (a partial, or grad_weight itself) ---
+    rows = (gc.to(tl.int64) * gw_sg + (tap // KW) * gw_sh + (tap % KW) * gw_sw
+            + (s * SEG + offs_k).to(tl.int64) * gw_si)
+    dst = gw_ptr + pid_s.to(tl.int64) * gw_ss + rows[:, None] + offs_n.to(tl.int64)[None, :] * gw_so
+    tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -1433,6 +1446,49 @@ def _channel_sum_kernel(
     tl.store(part_ptr + (n * tl.num_programs(0) + pid_p) * C + offs_c, acc, mask=c_ok)
 
 
+@triton.jit
+def _finish_grads_kernel(
+    pw_ptr,       # fp32 [SPLIT_W, groups, KH*KW, Cin_g, Cout_g]: grad_weight's partial sums, packed (read if HAS_W)
+    gw_ptr,       # grad_weight [Cout, Cin_g, KH, KW] in the weight's dtype, strides below (written if HAS_W)
+    pb_ptr,       # fp32 [SPLIT_B, Cout]: grad_bias's partial sums (read if HAS_B)
+    gb_ptr,       # grad_bias [Cout] in the weight's dtype (written if HAS_B)
+    NUMEL_W, CIN_G, COUT_G, COUT, SPLIT_W, SPLIT_B,
+    gw_so, gw_si, gw_sh, gw_sw,   # grad_weight's strides in elements: output channel, input channel, tap row, column
+    KH: tl.constexpr, KW: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The backward's last step, one launch: grad_weight = the sum of its SPLIT_W packed partials, unpacked to the
+    weight's layout and cast to its dtype; grad_bias = the sum of its SPLIT_B partials, cast. Each sum runs over the
+    partials in index order (the same bits every run). Grid: (weight blocks if HAS_W + bias blocks if HAS_B,)."""
+    pid = tl.program_id(0)
+    if HAS_W:
+        w_blocks = tl.cdiv(NUMEL_W, BLOCK)
+        if pid < w_blocks:
+            # --- grad_weight: read packed (coalesced), written in the weight's layout ---
+            offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < NUMEL_W
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in range(SPLIT_W):
+                acc += tl.load(pw_ptr + s * NUMEL_W + offs, mask=ok, other=0.0)
+            o = offs % COUT_G
+            r = offs // COUT_G
+            i = r % CIN_G
+            r = r // CIN_G
+            tap = r % (KH * KW)
+            gc = r // (KH * KW)
+            dst = (gc * COUT_G + o) * gw_so + i * gw_si + (tap // KW) * gw_sh + (tap % KW) * gw_sw
+            tl.store(gw_ptr + dst, acc.to(gw_ptr.dtype.element_ty), mask=ok)
+        pid -= w_blocks
+    if HAS_B:
+        if pid >= 0:
+            # --- grad_bias ---
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            ok = offs < COUT
+            acc = tl.zeros((BLOCK,), dtype=tl.float32)
+            for s in range(SPLIT_B):
+                acc += tl.load(pb_ptr + s * COUT + offs, mask=ok, other=0.0)
+            tl.store(gb_ptr + offs, acc.to(gb_ptr.dtype.element_ty), mask=ok)
+
+
 # --- launchers -----------------------------------------------------------------------------------------
 
 
@@ -1458,8 +1514,8 @@ _CHANNEL_SUMS: Dict[tuple, "_Launch"] = {}
 
 
 def _channel_sum(t: Tensor) -> Tensor:
-    """Sum over N, H, W of an [N, C, H, W] tensor (NCHW or channels-last): [C] fp32, the same bits every run
-    (partial sums per program, then added in a fixed order)."""
+    """Partial sums over N, H, W of an [N, C, H, W] tensor (NCHW or channels-last): [P, C] fp32, one row per program
+    (P = N * position tiles), for _finish_grads to add in a fixed order."""
     if not t.is_contiguous(memory_format=torch.channels_last):
         t = t.contiguous()
     n, c, h, w = t.shape
@@ -1475,7 +1531,7 @@ def _channel_sum(t: Tensor) -> Tensor:
             run = _remember(_CHANNEL_SUMS, key, _Launch(_channel_sum_kernel, grid, (h * w, c, *strides),
                                                         dict(ROWS=rows, BLOCK_P=32, BLOCK_C=block_c, num_warps=4)))
         run(t, part)
-    return part.sum((0, 1))
+    return part.view(-1, c)
 
 
 def _nhwc(t: Tensor) -> Tensor:
@@ -1521,13 +1577,44 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False) -> Tensor:
     return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
 
 
-def _unpack_weight_grad(gw: Tensor, weight: Tensor, groups: int) -> Tensor:
-    """Inverse of pack_weight: [groups, kh*kw, Cin_g, Cout_g] -> [Cout, Cin_g, kh, kw] in weight's dtype
-    and memory format, in one copy."""
+def _grad_weight_like(weight: Tensor) -> Tensor:
+    """An empty grad_weight: the weight's shape, dtype and memory format."""
+    return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=suggest_memory_format(weight))
+
+
+_FINISHES: Dict[tuple, "_Launch"] = {}
+
+
+def _finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """(grad_weight, grad_bias) in the weight's dtype (grad_weight in its memory format) from fp32 partial sums, in one
+    launch: pw [split, groups, kh*kw, Cin_g, Cout_g] (pack_weight's layout), pb [splits, Cout]; None for a missing
+    one. The inverse of pack_weight, the partials' fixed-order sum and the casts of what were up to five operations."""
     cout, cin_g, kh, kw = weight.shape
-    out = torch.empty(weight.shape, dtype=weight.dtype, device=gw.device, memory_format=suggest_memory_format(weight))
-    out.unflatten(0, (groups, cout // groups)).copy_(gw.permute(0, 3, 2, 1).unflatten(3, (kh, kw)))
-    return out
+    gw = _grad_weight_like(weight) if pw is not None else None
+    gb = torch.empty((cout,), dtype=weight.dtype, device=weight.device) if pb is not None else None
+    numel = weight.numel()
+    split_w = pw.shape[0] if pw is not None else 0
+    split_b = pb.shape[0] if pb is not None else 0
+    strides = gw.stride() if gw is not None else (0, 0, 0, 0)
+    fallback = pw if pw is not None else pb  # a pointer never read or written without its HAS_ flag
+    if fallback is None or numel == 0:
+        return gw, gb
+    pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
+                pb if pb is not None else fallback, gb if gb is not None else fallback)
+    key = (weight.device, weight.dtype, weight.shape, strides, split_w, split_b, pw is not None, pb is not None,
+           tuple(t.data_ptr() % 16 == 0 for t in pointers))
+    run = _FINISHES.get(key)
+    if run is None:
+        block = 1024
+        w_blocks = _ceil_div(numel, block) if pw is not None else 0
+        b_blocks = _ceil_div(cout, block) if pb is not None else 0
+        groups = cout // pw.shape[-1] if pw is not None else 1
+        run = _remember(_FINISHES, key, _Launch(
+            _finish_grads_kernel, (w_blocks + b_blocks,),
+            (numel, cin_g, cout // groups, cout, split_w, split_b, *strides),
+            dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, BLOCK=block, num_warps=4)))
+    run(*pointers)
+    return gw, gb
 
 
 def _position_strides(t: Tensor) -> Tuple[int, int, int]:
@@ -1765,6 +1852,7 @@ def deform_conv2d_backward(
 
     # --- the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
     grad_w = grad_b = None
+    pw = pb = None  # grad_weight's and grad_bias's fp32 partial sums, for _finish_grads
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
@@ -1775,18 +1863,27 @@ def deform_conv2d_backward(
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             sl = slice(n0, n0 + step)
-            part_w, grad_b = _backward_images(
+            gw, pb = _backward_images(
                 grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
                 weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
                 grad_mask[sl] if need_mask else None, need_w, concurrent, whole, need_b and whole)
-            if need_w:
-                grad_w = part_w if grad_w is None else grad_w.add_(part_w)
-        if need_w and not whole:
-            grad_w = _unpack_weight_grad(grad_w, weight, groups)
+            if not need_w:
+                continue
+            if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)
+                grad_w = gw
+            elif whole:
+                pw = gw
+            else:  # this chunk's packed sum, added to the earlier chunks'
+                gw = gw[0] if gw.shape[0] == 1 else gw.sum(0)
+                pw = gw[None] if pw is None else pw.add_(gw)
 
-    # --- grad_bias, unless the grad_weight kernel summed it (fused_bias): one channel sum over grad_out ---
-    if need_b and grad_b is None:
-        grad_b = _channel_sum(grad_out).to(weight.dtype)
+    # --- the rest in one launch: grad_weight from its partials, grad_bias from the grad_weight kernel's partials
+    # (fused_bias) or else from a channel sum over grad_out ---
+    if need_b and pb is None:
+        pb = _channel_sum(grad_out)
+    if pw is not None or pb is not None:
+        fw, grad_b = _finish_grads(weight, pw, pb)
+        grad_w = fw if pw is not None else grad_w
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 
 
@@ -1797,14 +1894,15 @@ def _backward_images(
     grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False, whole: bool = False, need_b: bool = False,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
-    tensors, or None when not needed) and returns (grad_weight, grad_bias): this chunk's grad_weight sum, packed
-    [groups, kh*kw, Cin_g, Cout_g] fp32, and None; or where the chunk is the whole batch (whole), grad_weight itself
-    (weight's shape, dtype and memory format) and, with need_b where grad_weight's split is more than 1
-    (fused_bias), grad_bias, which the grad_weight kernel then sums beside it (else None). Its scratch: the
-    copies of input (NHWC, or offset-grouped: see grouped_input) and grad_out (NHWC), and grad_input's accumulator
-    (in the input copy's layout), freed before
-    grad_weight's partials are allocated (so the two never add up) unless concurrent (concurrent_backward): then,
-    once planned, grad_weight runs on a side stream beside the grad_input kernel, its partials allocated first."""
+    tensors, or None when not needed) and returns what the grad_weight kernel wrote (None without need_w): fp32
+    partial sums [split, groups, kh*kw, Cin_g, Cout_g], or where the chunk is the whole batch (whole) and split is 1
+    grad_weight itself (the weight's shape, dtype and memory format: direct_grad_weight); and, with need_b where
+    grad_weight's split is more than 1 (fused_bias), grad_bias's fp32 partial sums [split, Cout], which the grad_weight
+    kernel then sums beside it (else None). Its scratch: the copies of input (NHWC, or
+    offset-grouped: see grouped_input) and grad_out (NHWC), and grad_input's accumulator (in the input copy's layout),
+    freed before grad_weight's partials are allocated (so the two never add up) unless concurrent
+    (concurrent_backward): then, once planned, grad_weight runs on a side stream beside the grad_input kernel, its
+    partials allocated first."""
     # --- prepare ---
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
@@ -1815,7 +1913,8 @@ def _backward_images(
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                     (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
-                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, need_b)
+                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, need_b, weight.stride(),
+                    DIRECT_GRAD_WEIGHT)
     plan = _PLANS.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
@@ -1838,12 +1937,23 @@ def _backward_images(
     cin_g = geo.in_channels // geo.groups
 
     def weight_targets(split: int) -> Tuple[Tensor, Optional[Tensor]]:
-        """Where the grad_weight kernel writes: fp32 partial sums [split, groups, kh*kw, Cin_g, Cout_g], and where it
-        sums grad_bias (fused_bias), grad_bias's [split, Cout]."""
+        """Where the grad_weight kernel writes: grad_weight itself where it is final (direct_grad_weight), else fp32
+        partial sums [split, groups, kh*kw, Cin_g, Cout_g]; and where it sums grad_bias (fused_bias), grad_bias's
+        [split, Cout]."""
+        if direct_grad_weight(whole, split):
+            return _grad_weight_like(weight), None
         gw = torch.empty((split, geo.groups, geo.taps, cin_g, cout_g), dtype=torch.float32, device=input.device)
         if not fused_bias(need_b, split):
             return gw, None
         return gw, torch.empty((split, geo.out_channels), dtype=torch.float32, device=input.device)
+
+    def target_strides(gw: Tensor) -> Tuple[int, ...]:
+        """The kernel's gw_ss, gw_sg, gw_sh, gw_sw, gw_si, gw_so for weight_targets' gw."""
+        if gw.dim() == 4:  # grad_weight [Cout, Cin_g, kh, kw]: one split
+            so, si, sh, sw = gw.stride()
+            return 0, cout_g * so, sh, sw, si, so
+        ss, sg, st, si, so = gw.stride()
+        return ss, sg, geo.kernel_w * st, st, si, so
 
     def weight_pointers(targets: Tuple[Tensor, Optional[Tensor]]) -> Tuple[Tensor, Tensor]:
         """The kernel's gw_ptr and gb_ptr for weight_targets' (gw, gb): gb_ptr falls back to gw, never written then."""
@@ -1869,7 +1979,7 @@ def _backward_images(
                            PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg, input.dtype),
                            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_bwd_weight_kernel, grid,
-                      (*args[:10], geo.groups, cfg.split, *args[10:]), weight_meta)
+                      (*args[:10], geo.groups, cfg.split, *args[10:], *target_strides(gw)), weight_meta)
         run(x, off, msk, weight_go(run), *weight_pointers((gw, gb)))
         return (gw, gb), run
 
@@ -1968,13 +2078,7 @@ def _backward_images(
         if side is None:  # after the accumulator is freed: the partials take its memory
             part = weight_partials()
             grad_weight_into(part)
-        gw, gb = part
+        grad_w, grad_b = part
         del part
-        # the split partials summed in a fixed order: this chunk's packed sum, or the finished gradients
-        grad_w = gw[0] if gw.shape[0] == 1 else gw.sum(0)
-        if whole:
-            grad_w = _unpack_weight_grad(grad_w, weight, geo.groups)
-            if gb is not None:
-                grad_b = gb.sum(0).to(weight.dtype)
     _remember(_PLANS, key, plan)
     return grad_w, grad_b
