@@ -845,3 +845,25 @@ def test_transpose_kernel_sizes_its_tiles_to_a_short_side(n, a, b):
     out = torch.full((n, b, a), float("nan"), dtype=torch.float16)
     kernels._transpose_last(src, a, b, out)
     torch.testing.assert_close(out, src.transpose(1, 2).to(torch.float16), atol=0, rtol=0)
+
+
+@pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
+@pytest.mark.parametrize("n,a,b,zero_dtype", [(2, 8, 1000, torch.float32), (3, 70, 9, torch.int64), (1, 3, 5, torch.float32)],
+                         ids=["short-rows-fp32-zeros", "short-columns-int64-zeros", "tiny"])
+def test_transpose_kernel_zeroes_and_sums_on_the_way(n, a, b, zero_dtype):
+    """The transpose pass's two extras (the backward's): a buffer of the output's size zeroed (grad_input's fp32 or
+    int64 accumulator, poisoned here), and the source's fp32 sums over b by the pass's tiles (grad_bias's partials):
+    their total is the full sum, and each row sums its own tile of b."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    src = torch.randn(n, a, b, generator=torch.Generator().manual_seed(a + b)).to(torch.float16)
+    out = torch.full((n, b, a), float("nan"), dtype=torch.float16)
+    zero = torch.full((n, b, a), -7, dtype=zero_dtype)
+    sums = torch.full((n, kernels._transpose_sum_rows(a, b), a), float("nan"), dtype=torch.float32)
+    kernels._transpose_last(src, a, b, out, zero=zero, sums=sums)
+    torch.testing.assert_close(out, src.transpose(1, 2), atol=0, rtol=0)
+    assert torch.equal(zero, torch.zeros_like(zero))
+    block_b = kernels._transpose_blocks(a, b)[1]
+    want = torch.stack([src[:, :, i:i + block_b].float().sum(-1) for i in range(0, b, block_b)], 1)
+    assert want.shape == sums.shape
+    torch.testing.assert_close(sums, want, atol=1e-5, rtol=1e-5)

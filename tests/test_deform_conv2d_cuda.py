@@ -454,3 +454,27 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
 def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, monkeypatch):
     """The backward's finishing launch on the GPU, bf16 included: see conftest.check_finish_grads."""
     check_finish_grads("cuda", dtype, *case, monkeypatch)
+
+
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
+    """The backward's layout copies on the GPU: _nhwc zeroes grad_input's accumulator (poisoned here) whether or not
+    it transposes; _nhwc_summed gives an NCHW grad_out's channel sums from its transpose pass (a channels-last one
+    needs no pass and gives None: the backward sums it elsewhere)."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t = torch.randn(3, 40, 13, 17, generator=g, device="cuda").half()
+    if layout == "channels_last":
+        t = t.contiguous(memory_format=torch.channels_last)
+    acc = torch.full((3, 1, 13, 17, 40), float("nan"), device="cuda")
+    x = kernels._nhwc(t, acc)
+    assert x.is_contiguous(memory_format=torch.channels_last) and torch.equal(x, t)
+    assert torch.equal(acc, torch.zeros_like(acc))
+    y, sums = kernels._nhwc_summed(t)
+    assert torch.equal(y, t) and y.is_contiguous(memory_format=torch.channels_last)
+    if layout == "channels_last":
+        assert sums is None
+    else:
+        assert sums.dtype == torch.float32 and sums.shape[1] == 40
+        torch.testing.assert_close(sums.sum(0), t.float().sum((0, 2, 3)), atol=1e-3, rtol=1e-5)

@@ -509,8 +509,8 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
 
 def fused_bias(need_b: bool, split: int) -> bool:
     """Whether the grad_weight kernel sums grad_bias too (GROUPS more rows of programs, _grad_bias_rows), where the
-    backward is one chunk: instead of the channel-sum launch, its sum and its cast (three GPU operations fewer, two
-    small ones more: the partials' sum and cast). Only where grad_weight's M tiles are split (split > 1): H200, fp16
+    backward is one chunk and grad_out comes channels-last (an NCHW grad_out's transpose pass sums it: _nhwc_summed):
+    instead of the channel-sum launch. Only where grad_weight's M tiles are split (split > 1): H200, fp16
     fwd+bwd, graph, the same process without and with it (v20, benchmarks/NOTES.md): cls-14 (split 4) 0.397 -> 0.391
     ms, but det-s5 (split 1) 0.605 -> 0.658, cause not found; so at split 1 the channel sum stays."""
     return need_b and split > 1
@@ -1408,18 +1408,29 @@ def _deform_conv2d_bwd_weight_kernel(
 def _transpose_kernel(
     src_ptr,      # [N, A, B] contiguous
     dst_ptr,      # [N, B, A] contiguous (cast to its dtype on store)
+    zero_ptr,     # [N, B, A] contiguous, any dtype: set to zero beside dst (written only with ZERO)
+    sum_ptr,      # fp32 [N, B tiles, A]: each program's sums over its B range (written only with SUM)
     A, B,
+    ZERO: tl.constexpr, SUM: tl.constexpr,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
 ):
-    """dst[n, b, a] = src[n, a, b]: NCHW <-> NHWC in one pass (with a dtype cast). Grid: (A tiles, B tiles, N)."""
+    """dst[n, b, a] = src[n, a, b]: NCHW <-> NHWC in one pass (with a dtype cast). On the way, with ZERO, a buffer of
+    dst's shape is zeroed (the backward's grad_input accumulator, beside the input's copy), and with SUM src is summed
+    over b in fp32 (grad_bias's partials, from grad_out's copy). Grid: (A tiles, B tiles, N)."""
     pid_a = tl.program_id(0)
     pid_b = tl.program_id(1)
     n = tl.program_id(2).to(tl.int64)
     offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
     offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
     ok = (offs_a < A)[:, None] & (offs_b < B)[None, :]
-    tile = tl.load(src_ptr + n * A * B + offs_a[:, None] * B + offs_b[None, :], mask=ok)
-    tl.store(dst_ptr + n * A * B + offs_b[None, :] * A + offs_a[:, None], tile.to(dst_ptr.dtype.element_ty), mask=ok)
+    tile = tl.load(src_ptr + n * A * B + offs_a[:, None] * B + offs_b[None, :], mask=ok, other=0.0)
+    dst = n * A * B + offs_b[None, :] * A + offs_a[:, None]
+    tl.store(dst_ptr + dst, tile.to(dst_ptr.dtype.element_ty), mask=ok)
+    if ZERO:
+        tl.store(zero_ptr + dst, tl.zeros((BLOCK_A, BLOCK_B), dtype=zero_ptr.dtype.element_ty), mask=ok)
+    if SUM:
+        part = (n * tl.num_programs(1) + pid_b) * A
+        tl.store(sum_ptr + part + offs_a, tl.sum(tile.to(tl.float32), axis=1), mask=offs_a < A)
 
 
 @triton.jit
@@ -1495,19 +1506,35 @@ def _finish_grads_kernel(
 _TRANSPOSES: Dict[tuple, "_Launch"] = {}
 
 
-def _transpose_last(src: Tensor, a: int, b: int, out: Tensor) -> Tensor:
-    """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype."""
-    key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+def _transpose_blocks(a: int, b: int) -> Tuple[int, int]:
+    """_transpose_kernel's (BLOCK_A, BLOCK_B): 64 x 64 tiles; a short side (the few channels of an offset group) gets
+    its own size, the other the rest."""
+    block_a = _pow2_clamp(a, 8, 64) if b >= a else 4096 // _pow2_clamp(b, 8, 64)
+    return block_a, 4096 // block_a
+
+
+def _transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor] = None,
+                    sums: Optional[Tensor] = None) -> Tensor:
+    """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype. zero: a tensor of out's size
+    zeroed in the same pass; sums: fp32 [N, cdiv(b, BLOCK_B), a] that receives src's sums over b by tiles
+    (_transpose_sum_rows)."""
+    extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
+    key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
+           extras)
     run = _TRANSPOSES.get(key)
     if run is None:
-        # 64 x 64 tiles; a short side (the few channels of an offset group) gets its own size, the other the rest
-        block_a = _pow2_clamp(a, 8, 64) if b >= a else 4096 // _pow2_clamp(b, 8, 64)
-        block_b = 4096 // block_a
+        block_a, block_b = _transpose_blocks(a, b)
         grid = (triton.cdiv(a, block_a), triton.cdiv(b, block_b), src.shape[0])
         run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b),
-                                                  dict(BLOCK_A=block_a, BLOCK_B=block_b, num_warps=4)))
-    run(src, out)
+                                                  dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
+                                                       BLOCK_B=block_b, num_warps=4)))
+    run(src, out, zero if zero is not None else out, sums if sums is not None else out)
     return out
+
+
+def _transpose_sum_rows(a: int, b: int) -> int:
+    """Rows of sums per image that _transpose_last writes for an [a, b] -> [b, a] transpose."""
+    return triton.cdiv(b, _transpose_blocks(a, b)[1])
 
 
 _CHANNEL_SUMS: Dict[tuple, "_Launch"] = {}
@@ -1534,27 +1561,44 @@ def _channel_sum(t: Tensor) -> Tensor:
     return part.view(-1, c)
 
 
-def _nhwc(t: Tensor) -> Tensor:
-    """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass."""
-    if t.is_contiguous(memory_format=torch.channels_last):
-        return t
-    t = t.contiguous()
-    if t.device.type != "cuda" or t.numel() == 0:
+def _nhwc(t: Tensor, zero: Optional[Tensor] = None) -> Tensor:
+    """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass. zero: a tensor of
+    t's size to zero, in that pass where there is one."""
+    if t.is_contiguous(memory_format=torch.channels_last) or t.device.type != "cuda" or t.numel() == 0:
+        if zero is not None:
+            zero.zero_()
         return t.contiguous(memory_format=torch.channels_last)
+    t = t.contiguous()
     n, c, h, w = t.shape
     out = torch.empty_like(t, memory_format=torch.channels_last)
-    return _transpose_last(t, c, h * w, out)
+    return _transpose_last(t, c, h * w, out, zero)
 
 
-def _offset_grouped(t: Tensor, offset_groups: int) -> Tensor:
+def _nhwc_summed(t: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    """(_nhwc(t), and where that is a transpose pass, t's fp32 channel sums by tiles of positions from the same pass,
+    [N * tiles, C], for _finish_grads; else None)."""
+    if t.is_contiguous(memory_format=torch.channels_last) or t.device.type != "cuda" or t.numel() == 0:
+        return _nhwc(t), None
+    t = t.contiguous()
+    n, c, h, w = t.shape
+    out = torch.empty_like(t, memory_format=torch.channels_last)
+    sums = torch.empty((n, _transpose_sum_rows(c, h * w), c), dtype=torch.float32, device=t.device)
+    return _transpose_last(t, c, h * w, out, sums=sums), sums.view(-1, c)
+
+
+def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None) -> Tensor:
     """The tensor's data as [N, G, H, W, C/G] (each offset group's channels of a pixel contiguous, pixels of
-    one group contiguous): one transpose pass from NCHW, a permuting copy from channels_last."""
+    one group contiguous): one transpose pass from NCHW, a permuting copy from channels_last. zero: a tensor of t's
+    size to zero, in that pass where there is one."""
     n, c, h, w = t.shape
     cog = c // offset_groups
     if t.is_contiguous() and t.device.type == "cuda" and t.numel():
         out = torch.empty((n, offset_groups, h, w, cog), dtype=t.dtype, device=t.device)
-        _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog))
+        _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog),
+                        zero)
         return out
+    if zero is not None:
+        zero.zero_()
     return t.permute(0, 2, 3, 1).reshape(n, h, w, offset_groups, cog).permute(0, 3, 1, 2, 4).contiguous()
 
 
@@ -1896,9 +1940,9 @@ def _backward_images(
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns what the grad_weight kernel wrote (None without need_w): fp32
     partial sums [split, groups, kh*kw, Cin_g, Cout_g], or where the chunk is the whole batch (whole) and split is 1
-    grad_weight itself (the weight's shape, dtype and memory format: direct_grad_weight); and, with need_b where
-    grad_weight's split is more than 1 (fused_bias), grad_bias's fp32 partial sums [split, Cout], which the grad_weight
-    kernel then sums beside it (else None). Its scratch: the copies of input (NHWC, or
+    grad_weight itself (the weight's shape, dtype and memory format: direct_grad_weight); and, with need_b, grad_bias's
+    fp32 partial sums [rows, Cout]: from grad_out's transpose pass where it has one (NCHW), else from the grad_weight
+    kernel where its split is more than 1 (fused_bias), else None. Its scratch: the copies of input (NHWC, or
     offset-grouped: see grouped_input) and grad_out (NHWC), and grad_input's accumulator (in the input copy's layout),
     freed before grad_weight's partials are allocated (so the two never add up) unless concurrent
     (concurrent_backward): then, once planned, grad_weight runs on a side stream beside the grad_input kernel, its
@@ -1907,13 +1951,16 @@ def _backward_images(
     # grad_out channels-last: the kernels read [positions, channels] tiles of it in their inner loops, and
     # with channels contiguous those loads are vectorised and pipelined (cp.async); NCHW tiles compile to
     # scalar 2-byte loads (positions are l = m % (Ho*Wo), not provably contiguous). One transpose pass.
+    # grad_bias's partials come from that pass where there is one (NCHW grad_out), else from the grad_weight kernel
+    # where its split allows (bias_rows: fused_bias), else the caller sums grad_out's channels.
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
-    go = _nhwc(grad_out)
+    go, go_sums = _nhwc_summed(grad_out) if need_b else (_nhwc(grad_out), None)
+    bias_rows = need_b and go_sums is None
     msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
     key = _plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                     (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
-                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, need_b, weight.stride(),
+                    need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, bias_rows, weight.stride(),
                     DIRECT_GRAD_WEIGHT)
     plan = _PLANS.get(key)
     if plan is None:
@@ -1929,9 +1976,12 @@ def _backward_images(
         plan = dict(geo=geo, seg=seg, args=args, meta=meta, gin_shape=gin_shape)
     geo, seg, args, meta = plan["geo"], plan["seg"], plan["args"], plan["meta"]
     grouped = meta["GROUPED"]
-    x = _offset_grouped(input, geo.offset_groups) if grouped else _nhwc(input)
+    # grad_input's accumulator (fp32, or int64 fixed point when deterministic), zeroed in the input's transpose pass
+    gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
+                      device=input.device) if need_in else None
+    x = _offset_grouped(input, geo.offset_groups, gin) if grouped else _nhwc(input, gin)
     cout_g = geo.out_channels // geo.groups
-    grad_w = grad_b = None
+    grad_w, grad_b = None, go_sums
 
     # --- grad_weight's launcher (split-M partial sums, added in a fixed order) ---
     cin_g = geo.in_channels // geo.groups
@@ -1943,7 +1993,7 @@ def _backward_images(
         if direct_grad_weight(whole, split):
             return _grad_weight_like(weight), None
         gw = torch.empty((split, geo.groups, geo.taps, cin_g, cout_g), dtype=torch.float32, device=input.device)
-        if not fused_bias(need_b, split):
+        if not fused_bias(bias_rows, split):
             return gw, None
         return gw, torch.empty((split, geo.out_channels), dtype=torch.float32, device=input.device)
 
@@ -2016,8 +2066,7 @@ def _backward_images(
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     try:
         if need_in or need_off or need_mask:
-            gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
-                              device=input.device) if need_in else off
+            gin = gin if need_in else off
             goff = grad_off if need_off else off
             gmsk = grad_mask if need_mask else off
             scale = scales[0] if fixed_gin else off
@@ -2056,11 +2105,9 @@ def _backward_images(
                                    _bwd_data_candidates(geo, seg, input.dtype, input.device, fixed_gin, concurrent),
                                    launch_data, input.device)
                 if need_in:
-                    gin.zero_()  # after any tuning runs, which accumulate into it too
+                    gin.zero_()  # again after any tuning runs, which accumulate into it too
                 plan["data"] = launch_data(cfg)
             else:
-                if need_in:
-                    gin.zero_()
                 plan["data"](x, off, msk, *data_operands(plan["data"]), gin, goff, gmsk, scale)
             # grad_input from its accumulator (fp32, or int64 fixed point) into the returned tensor, then the
             # accumulator is freed: grad_weight's partials below take its place (unless they exist already, beside)
@@ -2078,7 +2125,8 @@ def _backward_images(
         if side is None:  # after the accumulator is freed: the partials take its memory
             part = weight_partials()
             grad_weight_into(part)
-        grad_w, grad_b = part
+        grad_w, gb = part
+        grad_b = gb if gb is not None else grad_b
         del part
     _remember(_PLANS, key, plan)
     return grad_w, grad_b
