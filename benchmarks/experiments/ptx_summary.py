@@ -111,6 +111,12 @@ def shape_ints(n, cin, cout, h, w, og, channels_last: bool) -> dict:
                 go_sn=cout * L, go_sl=sl, go_sc=sc, SPLIT=6)
 
 
+def packed_partial_strides(n, cin, cout, h, w, og) -> dict:
+    """The grad_weight kernel's gw_* strides for fp32 partials [split, groups, 3*3, Cin, Cout] (one conv group)."""
+    tap = cin * cout
+    return dict(gw_ss=9 * tap, gw_sg=9 * tap, gw_sh=3 * tap, gw_sw=tap, gw_si=cout, gw_so=1)
+
+
 SHAPES = {"det-s4": ((8, 256, 256, 50, 76, 1), 256, 1), "hires-g8": ((16, 64, 64, 128, 128, 8), 8, 4)}
 
 
@@ -149,7 +155,7 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
                     K._deform_conv2d_bwd_weight_kernel, dict(weight, **(dict(go_ptr=go_desc) if tma else {})), dict(
                         common, SEG=seg, NSEG=64 // seg if nseg > 1 else 1, EVEN_K=True, PER_IMAGE=per_image,
                         GROUPED=nseg > 1, TMA=tma, NEED_BIAS=need_bias, BLOCK_M=64, BLOCK_N=bn, BLOCK_K=64),
-                    go_ints, 8)))
+                    dict(go_ints, **packed_partial_strides(*shape)), 8)))
 
 
 if __name__ == "__main__":

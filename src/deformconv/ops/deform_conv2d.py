@@ -1465,11 +1465,15 @@ def _finish_grads_kernel(
     gb_ptr,       # grad_bias [Cout] in the weight's dtype (written if HAS_B)
     NUMEL_W, CIN_G, COUT_G, COUT, SPLIT_W, SPLIT_B,
     gw_so, gw_si, gw_sh, gw_sw,   # grad_weight's strides in elements: output channel, input channel, tap row, column
-    KH: tl.constexpr, KW: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK: tl.constexpr,
+    KH: tl.constexpr, KW: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    BLOCK: tl.constexpr,          # grad_weight elements a program
+    BLOCK_C: tl.constexpr,        # grad_bias channels a program
+    ROWS: tl.constexpr,           # grad_bias partials summed a step (hundreds of them where a transpose made them)
 ):
-    """The backward's last step, one launch: grad_weight = the sum of its SPLIT_W packed partials, unpacked to the
-    weight's layout and cast to its dtype; grad_bias = the sum of its SPLIT_B partials, cast. Each sum runs over the
-    partials in index order (the same bits every run). Grid: (weight blocks if HAS_W + bias blocks if HAS_B,)."""
+    """The backward's last step, one launch: grad_weight = the sum of its SPLIT_W packed partials (in index order),
+    unpacked to the weight's layout and cast to its dtype; grad_bias = the sum of its SPLIT_B partials (ROWS at a
+    time, the steps in index order), cast. A fixed order: the same bits every run. Grid: (weight blocks if HAS_W +
+    bias blocks if HAS_B,)."""
     pid = tl.program_id(0)
     if HAS_W:
         w_blocks = tl.cdiv(NUMEL_W, BLOCK)
@@ -1492,12 +1496,15 @@ def _finish_grads_kernel(
     if HAS_B:
         if pid >= 0:
             # --- grad_bias ---
-            offs = pid * BLOCK + tl.arange(0, BLOCK)
-            ok = offs < COUT
-            acc = tl.zeros((BLOCK,), dtype=tl.float32)
-            for s in range(SPLIT_B):
-                acc += tl.load(pb_ptr + s * COUT + offs, mask=ok, other=0.0)
-            tl.store(gb_ptr + offs, acc.to(gb_ptr.dtype.element_ty), mask=ok)
+            offs_c = pid * BLOCK_C + tl.arange(0, BLOCK_C)
+            c_ok = offs_c < COUT
+            acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
+            for r0 in range(0, SPLIT_B, ROWS):
+                rows = r0 + tl.arange(0, ROWS)
+                part = tl.load(pb_ptr + rows.to(tl.int64)[:, None] * COUT + offs_c[None, :],
+                               mask=(rows < SPLIT_B)[:, None] & c_ok[None, :], other=0.0)
+                acc += tl.sum(part, axis=0)
+            tl.store(gb_ptr + offs_c, acc.to(gb_ptr.dtype.element_ty), mask=c_ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -1649,14 +1656,15 @@ def _finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) ->
            tuple(t.data_ptr() % 16 == 0 for t in pointers))
     run = _FINISHES.get(key)
     if run is None:
-        block = 1024
+        block, block_c = 1024, _pow2_clamp(cout, 16, 64)
         w_blocks = _ceil_div(numel, block) if pw is not None else 0
-        b_blocks = _ceil_div(cout, block) if pb is not None else 0
+        b_blocks = _ceil_div(cout, block_c) if pb is not None else 0
         groups = cout // pw.shape[-1] if pw is not None else 1
         run = _remember(_FINISHES, key, _Launch(
             _finish_grads_kernel, (w_blocks + b_blocks,),
             (numel, cin_g, cout // groups, cout, split_w, split_b, *strides),
-            dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, BLOCK=block, num_warps=4)))
+            dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, BLOCK=block, BLOCK_C=block_c, ROWS=32,
+                 num_warps=4)))
     run(*pointers)
     return gw, gb
 
