@@ -1639,7 +1639,8 @@ _FINISHES: Dict[tuple, "_Launch"] = {}
 def _finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """(grad_weight, grad_bias) in the weight's dtype (grad_weight in its memory format) from fp32 partial sums, in one
     launch: pw [split, groups, kh*kw, Cin_g, Cout_g] (pack_weight's layout), pb [splits, Cout]; None for a missing
-    one. The inverse of pack_weight, the partials' fixed-order sum and the casts of what were up to five operations."""
+    one (and None returned for it). The partials' fixed-order sums, the inverse of pack_weight and the casts, which
+    took up to five operations before v21 (sum, permuting copy, sum, cast)."""
     cout, cin_g, kh, kw = weight.shape
     gw = _grad_weight_like(weight) if pw is not None else None
     gb = torch.empty((cout,), dtype=weight.dtype, device=weight.device) if pb is not None else None
@@ -1648,7 +1649,7 @@ def _finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) ->
     split_b = pb.shape[0] if pb is not None else 0
     strides = gw.stride() if gw is not None else (0, 0, 0, 0)
     fallback = pw if pw is not None else pb  # a pointer never read or written without its HAS_ flag
-    if fallback is None or numel == 0:
+    if fallback is None or (numel == 0 and pb is None):  # nothing to write
         return gw, gb
     pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
                 pb if pb is not None else fallback, gb if gb is not None else fallback)
