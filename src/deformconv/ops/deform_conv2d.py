@@ -512,7 +512,8 @@ def fused_bias(need_b: bool, split: int) -> bool:
     backward is one chunk and grad_out comes channels-last (an NCHW grad_out's transpose pass sums it: _nhwc_summed):
     instead of the channel-sum launch. Only where grad_weight's M tiles are split (split > 1): H200, fp16
     fwd+bwd, graph, the same process without and with it (v20, benchmarks/NOTES.md): cls-14 (split 4) 0.397 -> 0.391
-    ms, but det-s5 (split 1) 0.605 -> 0.658, cause not found; so at split 1 the channel sum stays."""
+    ms, but det-s5 (split 1) 0.605 -> 0.658 (presumably its 2 bias programs summing all 120 M tiles one after the
+    other: v21's notes); so at split 1 a channels-last grad_out's channels are summed by _channel_sum."""
     return need_b and split > 1
 
 
