@@ -834,6 +834,44 @@ def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, monkeypatc
     check_finish_grads("cpu", dtype, *case, monkeypatch)
 
 
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config,input_layout,deterministic", [
+    ("3x3-pad1", "nchw", False), ("og4-packed-segments", "nchw", False), ("3x3-pad1", "nchw", True),
+    ("3x3-pad1", "channels_last", False)], ids=["nchw", "offset-grouped", "nchw-deterministic", "channels-last-input"])
+def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, monkeypatch):
+    """With the layout copies through _transpose_kernel as on the GPU (LAYOUT_KERNELS_ON_CPU; the CPU otherwise uses
+    torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a channels-last
+    input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no channel-sum
+    launch, no bias rows in the grad_weight kernel), and every gradient is the oracle's."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "LAYOUT_KERNELS_ON_CPU", True)
+    monkeypatch.setattr(kernels, "_PLANS", {})
+    passes, sums = [], []
+    real_transpose, real_sum = kernels._transpose_last, kernels._channel_sum
+
+    def transpose(src, a, b, out, zero=None, sums=None):
+        passes.append((None if zero is None else zero.dtype, sums is not None))
+        return real_transpose(src, a, b, out, zero, sums)
+
+    monkeypatch.setattr(kernels, "_transpose_last", transpose)
+    monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 967)
+    leaves64 = _with_grad(args, kwargs, torch.float64)
+    assert leaves64[3] is not None  # a bias
+    if input_layout == "channels_last":
+        leaves64[0] = leaves64[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    zeroed = [z for z, _ in passes if z is not None]
+    assert zeroed == ([] if input_layout == "channels_last" else [torch.int64 if deterministic else torch.float32])
+    assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (_run's grad_out is NCHW)
+    assert [m["NEED_BIAS"] for m in launch_metas(kernels) if "NEED_BIAS" in m] == [False]
+
+
 @pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
 @pytest.mark.parametrize("n,a,b", [(2, 8, 1000), (3, 1000, 8), (1, 3, 5), (2, 100, 70), (2, 20, 4)],
                          ids=["short-rows", "short-columns", "tiny", "two-partial-tiles", "short-columns-odd"])

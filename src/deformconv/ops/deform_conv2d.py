@@ -1569,10 +1569,21 @@ def _channel_sum(t: Tensor) -> Tensor:
     return part.view(-1, c)
 
 
+# The layout copies below run _transpose_kernel on CUDA; on the CPU (Triton's interpreter) torch's copies, which are
+# much faster there, unless this is set (tests: the kernel path as the GPU runs it, under the interpreter).
+LAYOUT_KERNELS_ON_CPU = False
+
+
+def _layout_kernel(t: Tensor) -> bool:
+    """Whether a layout copy of t goes through _transpose_kernel (a non-empty tensor on CUDA, or see
+    LAYOUT_KERNELS_ON_CPU)."""
+    return t.numel() > 0 and (t.device.type == "cuda" or LAYOUT_KERNELS_ON_CPU)
+
+
 def _nhwc(t: Tensor, zero: Optional[Tensor] = None) -> Tensor:
     """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass. zero: a tensor of
     t's size to zero, in that pass where there is one."""
-    if t.is_contiguous(memory_format=torch.channels_last) or t.device.type != "cuda" or t.numel() == 0:
+    if t.is_contiguous(memory_format=torch.channels_last) or not _layout_kernel(t):
         if zero is not None:
             zero.zero_()
         return t.contiguous(memory_format=torch.channels_last)
@@ -1585,7 +1596,7 @@ def _nhwc(t: Tensor, zero: Optional[Tensor] = None) -> Tensor:
 def _nhwc_summed(t: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """(_nhwc(t), and where that is a transpose pass, t's fp32 channel sums by tiles of positions from the same pass,
     [N * tiles, C], for _finish_grads; else None)."""
-    if t.is_contiguous(memory_format=torch.channels_last) or t.device.type != "cuda" or t.numel() == 0:
+    if t.is_contiguous(memory_format=torch.channels_last) or not _layout_kernel(t):
         return _nhwc(t), None
     t = t.contiguous()
     n, c, h, w = t.shape
@@ -1600,7 +1611,7 @@ def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None
     size to zero, in that pass where there is one."""
     n, c, h, w = t.shape
     cog = c // offset_groups
-    if t.is_contiguous() and t.device.type == "cuda" and t.numel():
+    if t.is_contiguous() and _layout_kernel(t):
         out = torch.empty((n, offset_groups, h, w, cog), dtype=t.dtype, device=t.device)
         _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog),
                         zero)
@@ -1614,7 +1625,7 @@ def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
     """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, G, H, W, C/G] buffer (G = 1:
     an NHWC buffer)."""
     n, g, h, w, cog = buf.shape
-    if out.is_contiguous() and buf.device.type == "cuda" and out.numel():
+    if out.is_contiguous() and _layout_kernel(out):
         _transpose_last(buf.view(n * g, h * w, cog), h * w, cog, out.view(n * g, cog, h * w))
         return out
     out.unflatten(1, (g, cog)).copy_(buf.permute(0, 1, 4, 2, 3))
