@@ -1,6 +1,7 @@
 """deform_conv2d on the CPU: every backend that can run here (reference; triton under TRITON_INTERPRET=1)
 against an independent naive implementation and against torchvision, forward and all five gradients."""
 
+import contextlib
 import random
 import zlib
 
@@ -51,6 +52,21 @@ def _with_grad(args, kwargs, dtype):
     x, offset, weight, bias = args
     tensors = [x, offset, weight, bias, kwargs["mask"]]
     return [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in tensors]
+
+
+@contextlib.contextmanager
+def _deterministic(flag=True):
+    """torch.use_deterministic_algorithms(flag) inside the block, off again after it (even after an error)."""
+    torch.use_deterministic_algorithms(flag)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _channels_last_leaf(t):
+    """A channels_last leaf copy of t (requires_grad)."""
+    return t.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
 
 
 def _run(fn, leaves, kwargs, grad_seed=1):
@@ -326,7 +342,7 @@ def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config
         args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
     leaves = _with_grad(args, kwargs, dtype)
     if layout == "channels_last":
-        leaves[0] = leaves[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        leaves[0] = _channels_last_leaf(leaves[0])
     run = lambda: _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)  # noqa: E731
     monkeypatch.setattr(kernels, "_PLANS", {})
     out, grads = run()
@@ -390,7 +406,7 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout,
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
-        leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        leaves64[2] = _channels_last_leaf(leaves64[2])
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     has_bias = leaves64[3] is not None
     fused = has_bias and split > 1
@@ -427,7 +443,7 @@ def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, dire
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
-        leaves64[2] = leaves64[2].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
+        leaves64[2] = _channels_last_leaf(leaves64[2])
     assert leaves64[3] is not None  # a bias: its channel sum's partials are finished either way
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     assert finishes == [not direct]  # one finishing launch (grad_bias), with grad_weight's partials unless direct
@@ -620,22 +636,16 @@ def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, confi
     real = kernels._fixed_point_scales
     monkeypatch.setattr(kernels, "_fixed_point_scales", lambda *a: scales.append(real(*a)) or scales[-1])
     args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic():
         _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert scales and all(s is not None for s in scales)
 
 
 def _grad_input(x, offset, weight, mask, grad_out, backend, deterministic):
     x = x.detach().requires_grad_(True)
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+    with _deterministic(deterministic):
         out = deformconv.deform_conv2d(x, offset, weight, padding=1, mask=mask, backend=backend)
         return torch.autograd.grad(out, x, grad_out)[0]
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -661,11 +671,8 @@ def test_deterministic_mode_with_an_empty_batch(backend, dtype):
     empty (input, offset, mask) or zero (weight)."""
     args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=0), dtype=dtype, seed=3)
     leaves = _with_grad(args, kwargs, dtype)
-    torch.use_deterministic_algorithms(True)
-    try:
+    with _deterministic():
         _, grads = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
-    finally:
-        torch.use_deterministic_algorithms(False)
     for name, leaf, g in zip(GRAD_NAMES, leaves, grads):
         assert g.shape == leaf.shape, name
         assert torch.equal(g, torch.zeros_like(g)), name
@@ -694,12 +701,9 @@ def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config,
     args, kwargs = make_case(**dict(CONFIGS[config], n=5), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if layout == "channels_last":
-        leaves64[0] = leaves64[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+        leaves64[0] = _channels_last_leaf(leaves64[0])
+    with _deterministic(deterministic):
         _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
-    finally:
-        torch.use_deterministic_algorithms(False)
     assert chunks == [2, 2, 1]
 
 
@@ -860,12 +864,9 @@ def test_backward_through_the_layout_kernels(backend, dtype, config, input_layou
     leaves64 = _with_grad(args, kwargs, torch.float64)
     assert leaves64[3] is not None  # a bias
     if input_layout == "channels_last":
-        leaves64[0] = leaves64[0].detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
-    torch.use_deterministic_algorithms(deterministic)
-    try:
+        leaves64[0] = _channels_last_leaf(leaves64[0])
+    with _deterministic(deterministic):
         _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
-    finally:
-        torch.use_deterministic_algorithms(False)
     zeroed = [z for z, _ in passes if z is not None]
     assert zeroed == ([] if input_layout == "channels_last" else [torch.int64 if deterministic else torch.float32])
     assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (_run's grad_out is NCHW)
