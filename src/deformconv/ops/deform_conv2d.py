@@ -1580,29 +1580,32 @@ def _layout_kernel(t: Tensor) -> bool:
     return t.numel() > 0 and (t.device.type == "cuda" or LAYOUT_KERNELS_ON_CPU)
 
 
-def _nhwc(t: Tensor, zero: Optional[Tensor] = None) -> Tensor:
+def _nhwc_pass(t: Tensor) -> bool:
+    """Whether _nhwc copies t in a transpose pass (not channels_last already, and _layout_kernel)."""
+    return not t.is_contiguous(memory_format=torch.channels_last) and _layout_kernel(t)
+
+
+def _nhwc(t: Tensor, zero: Optional[Tensor] = None, sums: Optional[Tensor] = None) -> Tensor:
     """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass. zero: a tensor of
-    t's size to zero, in that pass where there is one."""
-    if t.is_contiguous(memory_format=torch.channels_last) or not _layout_kernel(t):
+    t's size to zero, in that pass where there is one (else zeroed here); sums: see _nhwc_summed (pass only)."""
+    if not _nhwc_pass(t):
         if zero is not None:
             zero.zero_()
         return t.contiguous(memory_format=torch.channels_last)
     t = t.contiguous()
     n, c, h, w = t.shape
     out = torch.empty_like(t, memory_format=torch.channels_last)
-    return _transpose_last(t, c, h * w, out, zero)
+    return _transpose_last(t, c, h * w, out, zero, sums)
 
 
 def _nhwc_summed(t: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
     """(_nhwc(t), and where that is a transpose pass, t's fp32 channel sums by tiles of positions from the same pass,
     [N * tiles, C], for _finish_grads; else None)."""
-    if t.is_contiguous(memory_format=torch.channels_last) or not _layout_kernel(t):
+    if not _nhwc_pass(t):
         return _nhwc(t), None
-    t = t.contiguous()
     n, c, h, w = t.shape
-    out = torch.empty_like(t, memory_format=torch.channels_last)
     sums = torch.empty((n, _transpose_sum_rows(c, h * w), c), dtype=torch.float32, device=t.device)
-    return _transpose_last(t, c, h * w, out, sums=sums), sums.view(-1, c)
+    return _nhwc(t, sums=sums), sums.view(-1, c)
 
 
 def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None) -> Tensor:
@@ -1672,10 +1675,10 @@ def _finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) ->
         block, block_c = 1024, _pow2_clamp(cout, 16, 64)
         w_blocks = _ceil_div(numel, block) if pw is not None else 0
         b_blocks = _ceil_div(cout, block_c) if pb is not None else 0
-        groups = cout // pw.shape[-1] if pw is not None else 1
+        cout_g = pw.shape[-1] if pw is not None else cout
         run = _remember(_FINISHES, key, _Launch(
             _finish_grads_kernel, (w_blocks + b_blocks,),
-            (numel, cin_g, cout // groups, cout, split_w, split_b, *strides),
+            (numel, cin_g, cout_g, cout, split_w, split_b, *strides),
             dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, BLOCK=block, BLOCK_C=block_c, ROWS=32,
                  num_warps=4)))
     run(*pointers)
