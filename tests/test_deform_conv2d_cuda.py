@@ -478,3 +478,29 @@ def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
     else:
         assert sums.dtype == torch.float32 and sums.shape[1] == 40
         torch.testing.assert_close(sums.sum(0), t.float().sum((0, 2, 3)), atol=1e-3, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("weight_layout", ["nchw", "channels_last", "strided"])
+@pytest.mark.parametrize("k_major", [False, True], ids=["cin-cout", "cout-cin"])
+@pytest.mark.parametrize("shape", [(520, 40, 3, 3, 2), (64, 512, 1, 5, 1), (37, 16, 5, 5, 1)],
+                         ids=["cout-520-g2", "1x5-cin-512", "5x5-cout-37"])
+def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout, dtype, monkeypatch):
+    """pack_weight's Triton pass on the GPU (with the cast from an fp32 weight) is bitwise torch's permuting copy of
+    weight.to(dtype), for each weight layout; the output is poisoned first."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    cout, cin_g, kh, kw, groups = shape
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(cout, cin_g * (2 if weight_layout == "strided" else 1), kh, kw, generator=g, device="cuda")
+    if weight_layout == "strided":
+        w = w[:, ::2]
+    elif weight_layout == "channels_last":
+        w = w.contiguous(memory_format=torch.channels_last)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    got = kernels.pack_weight(w, groups, k_major, dtype)
+    monkeypatch.undo()
+    ref = w.to(dtype).reshape(groups, cout // groups, cin_g, kh * kw)
+    ref = (ref.permute(0, 3, 1, 2) if k_major else ref.permute(0, 3, 2, 1)).contiguous()
+    assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, ref)

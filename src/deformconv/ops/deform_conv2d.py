@@ -170,7 +170,7 @@ def _unique(cands: List[Config]) -> List[Config]:
 
 # Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
 # the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md): the
-# wide forward's 64x256 tile and (v16) the 16-bit packed forward's 64-row tile at <= 64 columns (see
+# wide forward's 64x256 tile and (v16, v22) the 16-bit packed forward's 64-row (128) and 32-row (96) tiles at <= 64 columns (see
 # _fwd_candidates);
 # grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
 # 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
@@ -182,7 +182,7 @@ def _unique(cands: List[Config]) -> List[Config]:
 # offset-grouped corner loads (v10, hires-g8, capped vs uncapped): grad_input kernel fp16 1.395 vs 1.459 ms,
 # fp32 1.541 vs 1.769; grad_weight fp16 0.436 vs 0.455, fp32 0.951 vs 1.013.
 FWD_WIDE_MAXNREG = 128
-FWD_PACKED_MAXNREG = 128
+FWD_PACKED_MAXNREG = 96
 DATA_PACKED_MAXNREG = 128
 DATA_PACKED_FP32_MAXNREG = 168
 WEIGHT_PACKED_MAXNREG = 168
@@ -234,8 +234,11 @@ def _fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Con
         if bn <= 64:
             # packed segments, 16-bit, <= 64 output channels a group: 64-row tiles capped at 128 registers once the
             # blend was 16-bit (v16, H200, graph): hires-g8 fp16 0.419 -> 0.379 ms, bf16 0.424 -> 0.390 (uncapped
-            # 0.473, 64-wide chunks 0.820). Not with 128 columns: (8,128,128,64,96,3,16) 0.299 -> 0.441 ms
-            cands.insert(0, Config(64, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG))
+            # 0.473, 64-wide chunks 0.820). Not with 128 columns: (8,128,128,64,96,3,16) 0.299 -> 0.441 ms.
+            # Then (v22) 32-row tiles capped at 96: fp16 0.380 -> 0.355 ms, bf16 0.386 -> 0.356 (104 and 88 the same,
+            # 128 0.410, 3 stages 0.364; the 64-row tile at 96-104 registers spills: 0.70-0.87)
+            cands[:0] = [Config(32, bn, min(bk, 32), 4, maxnreg=FWD_PACKED_MAXNREG),
+                         Config(64, bn, min(bk, 32), 4, maxnreg=128)]
     else:
         # each (tap, segment) step's offsets and mask loaded a step ahead, 3 stages (v15, H200, graph): det-s3 fp16
         # 0.294 -> 0.261 ms, bf16 0.315 -> 0.268 (either alone: 0.291); 4 stages 0.414, 64-wide chunks 0.384; the B
@@ -1435,6 +1438,37 @@ def _transpose_kernel(
 
 
 @triton.jit
+def _pack_weight_kernel(
+    w_ptr,        # weight [Cout, Cin_g, KH, KW], strides below (any layout)
+    wp_ptr,       # packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if K_MAJOR (cast on store)
+    CIN_G, COUT_G,
+    w_so, w_si, w_sh, w_sw,   # the weight's strides in elements: output channel, input channel, tap row, column
+    KH: tl.constexpr, KW: tl.constexpr, K_MAJOR: tl.constexpr,
+    TAPS: tl.constexpr,       # KH*KW rounded up to a power of two
+    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """pack_weight's permutation and cast in one pass: a [BLOCK_O, BLOCK_I, TAPS] tile of (output channel, input
+    channel, tap), read along the weight's contiguous side (taps for NCHW, input channels for channels_last) and
+    written along the packed layout's (output channels, or input channels if K_MAJOR); the tile changes layout in
+    shared memory, as in _transpose_kernel. Grid: (o tiles, i tiles, groups)."""
+    KK: tl.constexpr = KH * KW
+    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    g = tl.program_id(2).to(tl.int64)
+    tap = tl.arange(0, TAPS)
+    ok = (offs_o < COUT_G)[:, None, None] & (offs_i < CIN_G)[None, :, None] & (tap < KK)[None, None, :]
+    src = ((g * COUT_G + offs_o) * w_so)[:, None, None] + (offs_i.to(tl.int64) * w_si)[None, :, None] \
+        + ((tap // KW) * w_sh + (tap % KW) * w_sw)[None, None, :]
+    tile = tl.load(w_ptr + src, mask=ok, other=0.0)
+    row = g * KK + tap  # the packed [groups * KH*KW] index
+    if K_MAJOR:
+        dst = ((row[None, None, :] * COUT_G + offs_o[:, None, None]) * CIN_G) + offs_i[None, :, None]
+    else:
+        dst = ((row[None, None, :] * CIN_G + offs_i[None, :, None]) * COUT_G) + offs_o[:, None, None]
+    tl.store(wp_ptr + dst, tile.to(wp_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _channel_sum_kernel(
     src_ptr,      # [N, C, L] with the strides below (an NCHW or channels-last [N, C, H, W] tensor, L = H*W)
     part_ptr,     # [N, L tiles, C] fp32: one partial sum per program
@@ -1635,12 +1669,38 @@ def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
     return out
 
 
-def pack_weight(weight: Tensor, groups: int, k_major: bool = False) -> Tensor:
+_PACKS: Dict[tuple, "_Launch"] = {}
+
+
+def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optional[torch.dtype] = None) -> Tensor:
     """[Cout, Cin_g, kh, kw] -> [groups, kh*kw, Cin_g, Cout_g] contiguous (tap-major rows of the B tile), or
-    with k_major [groups, kh*kw, Cout_g, Cin_g] (each output channel's input channels contiguous)."""
+    with k_major [groups, kh*kw, Cout_g, Cin_g] (each output channel's input channels contiguous), in dtype
+    (default: the weight's). One _pack_weight_kernel pass where _layout_kernel (torch's permuting copy took 17.8 us
+    for det-s5's 512x512x3x3 fp16 weight on the H200), else torch's copies."""
     cout, cin_g, kh, kw = weight.shape
-    w = weight.reshape(groups, cout // groups, cin_g, kh * kw)
-    return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
+    dtype = weight.dtype if dtype is None else dtype
+    cout_g = cout // groups
+    if not _layout_kernel(weight):
+        w = weight.to(dtype).reshape(groups, cout_g, cin_g, kh * kw)
+        return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
+    out = torch.empty((groups, kh * kw, cout_g, cin_g) if k_major else (groups, kh * kw, cin_g, cout_g), dtype=dtype,
+                      device=weight.device)
+    key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
+           weight.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+    run = _PACKS.get(key)
+    if run is None:
+        # 4096-element tiles, up to 64 along the written side (contiguous in the packed layout), all taps
+        taps = triton.next_power_of_2(kh * kw)
+        side = min(_pow2_clamp(cin_g if k_major else cout_g, 1, 64), max(4096 // taps, 1))
+        other = max(4096 // (taps * side), 1)
+        block_i, block_o = (side, other) if k_major else (other, side)
+        run = _remember(_PACKS, key, _Launch(_pack_weight_kernel,
+                                             (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i), groups),
+                                             (cin_g, cout_g, *weight.stride()),
+                                             dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i,
+                                                  num_warps=4)))
+    run(weight, out)
+    return out
 
 
 def _grad_weight_like(weight: Tensor) -> Tensor:
@@ -1825,7 +1885,7 @@ def deform_conv2d_forward(
         plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
                     grouped=grouped_input(geo, seg), k_major=weight_k_major(input.dtype))
     geo, seg = plan["geo"], plan["seg"]
-    wp = pack_weight(weight.to(input.dtype), geo.groups, plan["k_major"])
+    wp = pack_weight(weight, geo.groups, plan["k_major"], input.dtype)
     if keep is not None and not plan["k_major"]:
         keep["packed_weight"] = wp
     x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
@@ -1905,7 +1965,7 @@ def deform_conv2d_backward(
     grad_out = grad_out.to(input.dtype)
     off, msk = _operands(offset, mask)
     groups = input.shape[1] // weight.shape[1]
-    wp = packed_weight if packed_weight is not None else pack_weight(weight.to(input.dtype), groups)
+    wp = packed_weight if packed_weight is not None else pack_weight(weight, groups, dtype=input.dtype)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
     scales = None
     if fixed_gin:  # one scale for all chunks, from the whole grad_out
