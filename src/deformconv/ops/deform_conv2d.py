@@ -170,8 +170,8 @@ def _unique(cands: List[Config]) -> List[Config]:
 
 # Register caps (Config.maxnreg; ptxas spills what does not fit) where more programs per multiprocessor beat
 # the spills. Measured on the H200 in fp16 (experiments/sweep_configs.py --maxnreg, benchmarks/NOTES.md): the
-# wide forward's 64x256 tile and (v16, v22) the 16-bit packed forward's 64-row (128) and 32-row (96) tiles at <= 64 columns (see
-# _fwd_candidates);
+# wide forward's 64x256 tile and (v16, v22) the 16-bit packed forward's 64-row (128) and 32-row (96) tiles at
+# <= 64 columns (see _fwd_candidates);
 # grad_weight det-s4 (64,256,64,8) 0.341 -> 0.260 ms at 128 registers, cls-14 (128,128,32,4) 0.232 -> 0.205 at
 # 128, hires-g8 packed (64,64,64,4, one stage) 1.051 -> 0.719 at 168; the grad_input kernel with packed
 # segments (hires-g8, 64,64,32,4) 1.844 -> 1.499 at 128. Slower with a cap: the other forwards (det-s3 0.296 ->
@@ -1694,11 +1694,9 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
         side = min(_pow2_clamp(cin_g if k_major else cout_g, 1, 64), max(4096 // taps, 1))
         other = max(4096 // (taps * side), 1)
         block_i, block_o = (side, other) if k_major else (other, side)
-        run = _remember(_PACKS, key, _Launch(_pack_weight_kernel,
-                                             (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i), groups),
-                                             (cin_g, cout_g, *weight.stride()),
-                                             dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i,
-                                                  num_warps=4)))
+        grid = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i), groups)
+        meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
+        run = _remember(_PACKS, key, _Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
     run(weight, out)
     return out
 
