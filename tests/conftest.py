@@ -13,6 +13,12 @@ if not torch.cuda.is_available():
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 
+
+def pytest_xdist_auto_num_workers(config):
+    """Workers for `-n auto` (pytest-xdist, the README's test command): one a CPU core on a CPU-only machine, where
+    Triton's interpreter makes the suite CPU-bound; none with a GPU, where the suite runs in one process as before."""
+    return 0 if HAS_CUDA else (os.cpu_count() or 1)
+
 # (atol, rtol) by dtype of the computation under test, against a float64 oracle. atol is relative to the
 # largest |value| of the expected tensor (so it means the same for outputs and for every gradient).
 TOL = {
