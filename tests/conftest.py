@@ -1,6 +1,7 @@
 """Shared test set-up: Triton's interpreter on CPU-only machines, the tolerance table, input makers."""
 
 import os
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ TOL = {
     torch.float16: (4e-3, 1e-2),
     torch.bfloat16: (2e-2, 4e-2),
 }
+
+
+@contextmanager
+def nan_filled_empty():
+    """Inside the block torch.empty returns NaN-filled tensors: outputs allocated by the code under test are
+    poisoned, so an element it never writes shows up."""
+    real_empty = torch.empty
+    torch.empty = lambda *a, **k: real_empty(*a, **k).fill_(float("nan"))
+    try:
+        yield
+    finally:
+        torch.empty = real_empty
 
 
 def assert_close(actual, expected, dtype, what=""):
@@ -121,7 +134,7 @@ FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups
                    "bias-only", "groups2-bias75-several-steps"]
 
 
-def check_finish_grads(device, dtype, groups, split_w, split_b, layout, monkeypatch):
+def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
     """_finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
     (inverse of pack_weight) and cast: bitwise the sequential fp32 sum rounded to dtype. grad_bias is its partials'
     sum (32 rows a step: hundreds of partials where a transpose made them), cast: the float64 sum's within fp32
@@ -135,10 +148,8 @@ def check_finish_grads(device, dtype, groups, split_w, split_b, layout, monkeypa
     weight = weight.contiguous(memory_format=fmt)
     pw = None if split_w is None else torch.randn(split_w, groups, kh * kw, cin_g, cout // groups, generator=g).to(device)
     pb = None if split_b is None else torch.randn(split_b, cout, generator=g).to(device)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    gw, gb = kernels._finish_grads(weight, pw, pb)
-    monkeypatch.setattr(torch, "empty", real_empty)
+    with nan_filled_empty():
+        gw, gb = kernels._finish_grads(weight, pw, pb)
 
     def in_order(parts):
         total = parts[0].clone()

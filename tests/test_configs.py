@@ -6,6 +6,7 @@ import pytest
 import torch
 
 deform_ops = pytest.importorskip("deformconv.ops.deform_conv2d")
+from conftest import nan_filled_empty  # noqa: E402
 from deformconv.checks import ConvGeometry  # noqa: E402
 
 
@@ -107,10 +108,9 @@ def test_pack_weight_layouts(groups, k_major, path, weight_layout, taps, monkeyp
     elif weight_layout == "strided":
         w = torch.randn(6, 10, kh, kw)[:, ::2]
     launches = []
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
     monkeypatch.setattr(deform_ops, "_pack_weight_kernel", _Counting(deform_ops._pack_weight_kernel, launches))
-    packed = deform_ops.pack_weight(w, groups, k_major, torch.float16)
+    with nan_filled_empty():
+        packed = deform_ops.pack_weight(w, groups, k_major, torch.float16)
     assert len(launches) == (path == "kernel")
     cout_g = 6 // groups
     assert packed.is_contiguous() and packed.dtype == torch.float16

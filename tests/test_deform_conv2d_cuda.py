@@ -7,7 +7,7 @@ import torch
 
 import deformconv
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, HAS_CUDA, assert_close, assert_near_rounding, check_finish_grads,
-                      force_tma, launch_metas, make_case)
+                      force_tma, launch_metas, make_case, nan_filled_empty)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -451,9 +451,9 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)
-def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, monkeypatch):
+def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
     """The backward's finishing launch on the GPU, bf16 included: see conftest.check_finish_grads."""
-    check_finish_grads("cuda", dtype, *case, monkeypatch)
+    check_finish_grads("cuda", dtype, *case)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
@@ -485,7 +485,7 @@ def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
 @pytest.mark.parametrize("k_major", [False, True], ids=["cin-cout", "cout-cin"])
 @pytest.mark.parametrize("shape", [(520, 40, 3, 3, 2), (64, 512, 1, 5, 1), (37, 16, 5, 5, 1)],
                          ids=["cout-520-g2", "1x5-cin-512", "5x5-cout-37"])
-def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout, dtype, monkeypatch):
+def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout, dtype):
     """pack_weight's Triton pass on the GPU (with the cast from an fp32 weight) is bitwise torch's permuting copy of
     weight.to(dtype), for each weight layout; the output is poisoned first."""
     from deformconv.ops import deform_conv2d as kernels
@@ -497,10 +497,8 @@ def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout,
         w = w[:, ::2]
     elif weight_layout == "channels_last":
         w = w.contiguous(memory_format=torch.channels_last)
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
-    got = kernels.pack_weight(w, groups, k_major, dtype)
-    monkeypatch.undo()
+    with nan_filled_empty():
+        got = kernels.pack_weight(w, groups, k_major, dtype)
     ref = w.to(dtype).reshape(groups, cout // groups, cin_g, kh * kw)
     ref = (ref.permute(0, 3, 1, 2) if k_major else ref.permute(0, 3, 2, 1)).contiguous()
     assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, ref)

@@ -1603,14 +1603,15 @@ def _channel_sum(t: Tensor) -> Tensor:
     return part.view(-1, c)
 
 
-# The layout copies below run _transpose_kernel on CUDA; on the CPU (Triton's interpreter) torch's copies, which are
-# much faster there, unless this is set (tests: the kernel path as the GPU runs it, under the interpreter).
+# The layout copies below run Triton kernels on CUDA (_transpose_kernel; pack_weight's _pack_weight_kernel); on the
+# CPU (Triton's interpreter) torch's copies, which are much faster there, unless this is set (tests: the kernel path
+# as the GPU runs it, under the interpreter).
 LAYOUT_KERNELS_ON_CPU = False
 
 
 def _layout_kernel(t: Tensor) -> bool:
-    """Whether a layout copy of t goes through _transpose_kernel (a non-empty tensor on CUDA, or see
-    LAYOUT_KERNELS_ON_CPU)."""
+    """Whether a layout copy of t goes through a Triton kernel (_transpose_kernel, _pack_weight_kernel): a non-empty
+    tensor on CUDA, or see LAYOUT_KERNELS_ON_CPU."""
     return t.numel() > 0 and (t.device.type == "cuda" or LAYOUT_KERNELS_ON_CPU)
 
 
