@@ -480,7 +480,7 @@ def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
         torch.testing.assert_close(sums.sum(0), t.float().sum((0, 2, 3)), atol=1e-3, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_layout", ["nchw", "channels_last", "strided"])
 @pytest.mark.parametrize("k_major", [False, True], ids=["cin-cout", "cout-cin"])
 @pytest.mark.parametrize("shape", [(520, 40, 3, 3, 2), (64, 512, 1, 5, 1), (37, 16, 5, 5, 1)],
