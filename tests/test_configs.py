@@ -124,6 +124,40 @@ def test_pack_weight_layouts(groups, k_major, path, weight_layout, taps, monkeyp
                     assert got == expected[g * cout_g + o, c, tap // kw, tap % kw]
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["one-launch", "two-launches"])
+@pytest.mark.parametrize("weight_layout", ["nchw", "channels-last"])
+@pytest.mark.parametrize("k_major", [False, True], ids=["cin-cout", "cout-cin"])
+@pytest.mark.parametrize("grouped", [False, True], ids=["nhwc", "offset-grouped"])
+def test_forward_operands_pack_and_transpose_in_one_launch(grouped, k_major, weight_layout, fused, monkeypatch):
+    """forward_operands: an NCHW input's copy (NHWC, or offset-grouped [N, G, H, W, C/G]) and the packed weight (cast
+    to the input's dtype) from one _pack_and_transpose_kernel launch (FUSED_PREP), or from the two separate passes:
+    the same bits as torch's permutes either way, every element written (outputs poisoned)."""
+    monkeypatch.setattr(deform_ops, "LAYOUT_KERNELS_ON_CPU", True)
+    monkeypatch.setattr(deform_ops, "FUSED_PREP", fused)
+    for cache in ("_PACKS", "_TRANSPOSES", "_PACK_AND_TRANSPOSE"):  # cached launches would not be counted
+        monkeypatch.setattr(deform_ops, cache, {})
+    launches = {}
+    for name in ("_pack_and_transpose_kernel", "_pack_weight_kernel", "_transpose_kernel"):
+        launches[name] = []
+        monkeypatch.setattr(deform_ops, name, _Counting(getattr(deform_ops, name), launches[name]))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 16, 5, 7, generator=g).to(torch.float16)  # 4 offset groups of 4 channels
+    w = torch.randn(6, 8, 3, 3, generator=g)                      # fp32, 2 conv groups
+    if weight_layout == "channels-last":
+        w = w.to(memory_format=torch.channels_last)
+    with nan_filled_empty():
+        got_x, got_w = deform_ops.forward_operands(x, w, 2, 4, grouped, k_major)
+    assert {k: len(v) for k, v in launches.items()} == (
+        {"_pack_and_transpose_kernel": 1, "_pack_weight_kernel": 0, "_transpose_kernel": 0} if fused else
+        {"_pack_and_transpose_kernel": 0, "_pack_weight_kernel": 1, "_transpose_kernel": 1})
+    if grouped:
+        assert torch.equal(got_x, x.view(2, 4, 4, 5, 7).permute(0, 1, 3, 4, 2))
+    else:
+        assert got_x.is_contiguous(memory_format=torch.channels_last) and torch.equal(got_x, x)
+    monkeypatch.setattr(deform_ops, "LAYOUT_KERNELS_ON_CPU", False)
+    assert got_w.dtype == torch.float16 and torch.equal(got_w, deform_ops.pack_weight(w, 2, k_major, torch.float16))
+
+
 class _Counting:
     """A Triton kernel stand-in that records each launch (its grid) and runs the kernel."""
 

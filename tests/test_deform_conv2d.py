@@ -10,7 +10,7 @@ import torch
 
 import deformconv
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, assert_close, assert_near_rounding, check_finish_grads, force_tma,
-                      launch_metas, make_case)
+                      launch_metas, make_case, nan_filled_empty)
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -326,6 +326,34 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
     monkeypatch.setattr(kernels, "_PLANS", {})  # plans made under the other choices must not be reused
     args, kwargs = make_case(**dict(CONFIGS[config], n=3), dtype=dtype, seed=zlib.crc32(config.encode()) % 997)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
+def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, monkeypatch):
+    """A 16-bit NCHW output (unpacked segments: 16 channels) is stored in 8-element runs along each channel plane from
+    whole tiles inside one image (RUN_STORE, _run_store), else from the accumulator's layout: the same bits either way
+    (fp32 always the latter), every element written (outputs poisoned), and the float64 reference's numbers. 3 images
+    of 16x20 = 320 positions in 128-row tiles (fp32: 64): per-image tiles end in a partial tile, flat 128-row tiles
+    straddle images."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
+    args, kwargs = make_case(n=3, cin=16, cout=8, h=16, w=20, kh=3, kw=3, padding=1, dtype=dtype, seed=31)
+    outs, metas = [], []
+    for runs in (True, False):
+        monkeypatch.setattr(kernels, "RUN_STORES", runs)
+        monkeypatch.setattr(kernels, "_PLANS", {})
+        with nan_filled_empty():
+            outs.append(deformconv.deform_conv2d(*args, **kwargs, backend=backend))
+        metas.append(launch_metas(kernels)[0])
+    assert [(m["RUN_STORE"], m["PER_IMAGE"]) for m in metas] == [
+        (8 if dtype == torch.float16 else 0, per_image), (0, per_image)]
+    assert all(2 * m["BLOCK_M"] <= 320 for m in metas)  # whole tiles and a partial or straddling one
+    assert torch.equal(outs[0], outs[1])
+    ref = deformconv.deform_conv2d(*[t.double() if t is not None else None for t in args],
+                                   **dict(kwargs, mask=kwargs["mask"].double()), backend="reference")
+    assert_close(outs[0], ref, dtype, "output")
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)

@@ -34,6 +34,10 @@ SHAPES = {
     # 65 positions an image: both backward kernels tile M flat (per_image_tiles), so grad_out's TMA tiles come
     # through the 2-d [M, Cout] descriptor and cross image boundaries
     "flat-tiles-tma": (6, 64, 256, 5, 13, 3, 3, 1, 1, 1, 1, 1, "random"),
+    # Ho*Wo a multiple of 8 (not of 16): a 16-bit NCHW output stored in 8-element runs (_run_store), from 128-row
+    # tiles per image (the last one partial), and from flat 64-row tiles (256 columns) that straddle images
+    "runs-per-image": (2, 64, 64, 24, 44, 3, 3, 1, 1, 1, 1, 1, "random"),
+    "runs-flat-wide": (3, 64, 256, 12, 18, 3, 3, 1, 1, 1, 1, 1, "random"),
 }
 NAMES = ("input", "offset", "weight", "bias", "mask")
 TF32_REL = 5e-3  # fp32 with TF32 products (10-bit mantissas): bound on the relative error in norm against float64
@@ -155,6 +159,33 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
                 check(g, r, f"grad_{name} (tma={tma})")
     assert torch.equal(runs[True][0], runs[False][0])
     assert torch.equal(runs[True][1][2], runs[False][1][2])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ["runs-per-image", "runs-flat-wide", "det-like", "og8-packed-segments"])
+def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, dtype, monkeypatch):
+    """The forward with its NCHW output stored in runs (RUN_STORES) and the weight packed in the input's transpose
+    launch (FUSED_PREP), then with both off: the same bits, and the float64 reference's numbers. The run stores
+    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), the fused pass to every
+    NCHW input."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    args, kwargs = _case(shape, dtype, seed=23)
+    ref = deformconv.deform_conv2d(*[t.double() if t is not None else None for t in args],
+                                   **dict(kwargs, mask=None if kwargs["mask"] is None else kwargs["mask"].double()),
+                                   backend="reference")
+    outs, stores = [], []
+    for on in (True, False):
+        monkeypatch.setattr(kernels, "RUN_STORES", on)
+        monkeypatch.setattr(kernels, "FUSED_PREP", on)
+        monkeypatch.setattr(kernels, "_PLANS", {})
+        _poison_allocator()
+        outs.append(deformconv.deform_conv2d(*args, **kwargs, backend="triton"))
+        stores.append(launch_metas(kernels)[0]["RUN_STORE"])
+    runs = shape.startswith("runs-") and dtype != torch.float32
+    assert stores == [8 if runs else 0, 0]
+    assert torch.equal(outs[0], outs[1])
+    assert_close(outs[0], ref, dtype, "output")
 
 
 def test_float64_on_cuda_matches_torchvision():

@@ -129,18 +129,21 @@ def _weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
     return geo.groups * geo.taps * (cin_g // seg) * triton.cdiv(seg, block_k)
 
 
-def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype: torch.dtype) -> bool:
+def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype: torch.dtype,
+                    run_store: bool = False) -> bool:
     """Whether M tiles stay inside one image (see _position_setup): no per-position division by Ho*Wo, at
     the cost of a partial tile per image; only where that adds at most 1/3 more tiles than tiling M flat. Measured on
     the H200 (benchmarks/NOTES.md, v5/v6/v10): the backward kernels gain 2-10% at every benchmark shape; the forward
     gains with packed segments (hires-g8 fp16 0.455 -> 0.425 ms, fp32 -2%, bf16 -2%) and with small images
-    (Ho*Wo <= 2 tiles: 6%), and loses 10% at det-s3."""
+    (Ho*Wo <= 2 tiles: 6%), and lost 10% at det-s3 (v5). With the forward's vectorised NCHW stores (run_store, see
+    _run_store) that turned (v23, graph): det-s3's 128-row tiles 0.224 -> 0.218 ms fp16, 0.225 -> 0.217 bf16 (flat
+    tiles spill 304 bytes in that epilogue, per-image 8); det-s4's 64-row tiles +0.5%, so 128-row tiles only."""
     flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     if 3 * (_m_tiles(geo, block_m, True) - flat) > flat:
         return False
     if kind != "fwd":
         return True
-    return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m
+    return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m or (run_store and block_m >= 128)
 
 
 def grouped_input(geo: ConvGeometry, seg: int) -> bool:
@@ -791,6 +794,19 @@ def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, ta
 
 
 @triton.jit
+def _tile_positions(pid_m, M, HO, WO, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """M tile pid_m's positions: (valid, image index, l = ho*Wo + wo), the last two int64; see _position_setup."""
+    L = HO * WO
+    if PER_IMAGE:
+        tiles = tl.cdiv(L, BLOCK_M)
+        l32 = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        n_img = tl.zeros((BLOCK_M,), tl.int64) + (pid_m // tiles).to(tl.int64)
+        return l32 < L, n_img, l32.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return offs_m < M, (offs_m // L).to(tl.int64), (offs_m % L).to(tl.int64)
+
+
+@triton.jit
 def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
                     PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per output position of M tile pid_m: validity, image index, l = ho*Wo + wo (int64, for addresses), the
@@ -962,6 +978,7 @@ def _deform_conv2d_fwd_kernel(
     GROUPED: tl.constexpr,             # NSEG > 1 only: the input in the offset-grouped layout
     SAMPLE_AHEAD: tl.constexpr,        # NSEG == 1 only: offsets and mask loaded one (tap, segment) step ahead
     TMA: tl.constexpr,                 # B tiles through the descriptor w_ptr (EVEN_K only)
+    RUN_STORE: tl.constexpr,           # 0, or (NCHW output: out_sl == 1) elements a store along a plane (_run_store)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """out[m, gc*Cout_g + n] = sum_k A[m, k] * Wp[gc, k, n], A sampled on the fly. Grid: (M tiles x N tiles, groups)."""
@@ -1040,8 +1057,29 @@ def _deform_conv2d_fwd_kernel(
     co = gc * COUT_G + offs_n
     if HAS_BIAS:
         acc += tl.load(b_ptr + co, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    out_ptrs = out_ptr + (n_img * out_sn + l * out_sl)[:, None] + (co.to(tl.int64) * out_sc)[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_valid[:, None] & n_ok[None, :])
+    val = acc.to(out_ptr.dtype.element_ty)
+    cols = (co.to(tl.int64) * out_sc)[None, :]
+    if RUN_STORE > 0:
+        # an NCHW output (out_sl == 1), and a whole tile inside one image: its positions are the run l0 .. l0 +
+        # BLOCK_M - 1 of each channel plane, stored without a position mask and with the runs' alignment (a multiple
+        # of RUN_STORE, as Ho*Wo and BLOCK_M are) stated, so that Triton vectorises the stores along them
+        if PER_IMAGE:
+            tiles = tl.cdiv(L, BLOCK_M)
+            img0 = pid_m // tiles
+            l0 = (pid_m % tiles) * BLOCK_M
+        else:
+            img0 = (pid_m * BLOCK_M) // L
+            l0 = pid_m * BLOCK_M - img0 * L
+        if l0 + BLOCK_M <= L:
+            start = tl.multiple_of(img0.to(tl.int64) * out_sn + l0, RUN_STORE)
+            planes = tl.multiple_of(co.to(tl.int64) * out_sc, RUN_STORE)
+            tl.store(out_ptr + (start + tl.arange(0, BLOCK_M))[:, None] + planes[None, :], val, mask=n_ok[None, :])
+        else:  # the image's last tile, or (flat tiles) one across two images: positions recomputed here
+            m_valid, n_img, l = _tile_positions(pid_m, M, HO, WO, PER_IMAGE, BLOCK_M)
+            tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val,
+                     mask=m_valid[:, None] & n_ok[None, :])
+    else:
+        tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val, mask=m_valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -1409,6 +1447,23 @@ def _deform_conv2d_bwd_weight_kernel(
 
 
 @triton.jit
+def _transpose_tile(src_ptr, dst_ptr, zero_ptr, sum_ptr, A, B, pid_a, pid_b, n, tiles_b,
+                    ZERO: tl.constexpr, SUM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
+    """_transpose_kernel's tile (pid_a, pid_b) of image n (int64); tiles_b: the B tiles an image."""
+    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
+    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
+    ok = (offs_a < A)[:, None] & (offs_b < B)[None, :]
+    tile = tl.load(src_ptr + n * A * B + offs_a[:, None] * B + offs_b[None, :], mask=ok, other=0.0)
+    dst = n * A * B + offs_b[None, :] * A + offs_a[:, None]
+    tl.store(dst_ptr + dst, tile.to(dst_ptr.dtype.element_ty), mask=ok)
+    if ZERO:
+        tl.store(zero_ptr + dst, tl.zeros((BLOCK_A, BLOCK_B), dtype=zero_ptr.dtype.element_ty), mask=ok)
+    if SUM:
+        part = (n * tiles_b + pid_b) * A
+        tl.store(sum_ptr + part + offs_a, tl.sum(tile.to(tl.float32), axis=1), mask=offs_a < A)
+
+
+@triton.jit
 def _transpose_kernel(
     src_ptr,      # [N, A, B] contiguous
     dst_ptr,      # [N, B, A] contiguous (cast to its dtype on store)
@@ -1421,20 +1476,29 @@ def _transpose_kernel(
     """dst[n, b, a] = src[n, a, b]: NCHW <-> NHWC in one pass (with a dtype cast). On the way, with ZERO, a buffer of
     dst's shape is zeroed (the backward's grad_input accumulator, beside the input's copy), and with SUM src is summed
     over b in fp32 (grad_bias's partials, from grad_out's copy). Grid: (A tiles, B tiles, N)."""
-    pid_a = tl.program_id(0)
-    pid_b = tl.program_id(1)
-    n = tl.program_id(2).to(tl.int64)
-    offs_a = pid_a * BLOCK_A + tl.arange(0, BLOCK_A)
-    offs_b = pid_b * BLOCK_B + tl.arange(0, BLOCK_B)
-    ok = (offs_a < A)[:, None] & (offs_b < B)[None, :]
-    tile = tl.load(src_ptr + n * A * B + offs_a[:, None] * B + offs_b[None, :], mask=ok, other=0.0)
-    dst = n * A * B + offs_b[None, :] * A + offs_a[:, None]
-    tl.store(dst_ptr + dst, tile.to(dst_ptr.dtype.element_ty), mask=ok)
-    if ZERO:
-        tl.store(zero_ptr + dst, tl.zeros((BLOCK_A, BLOCK_B), dtype=zero_ptr.dtype.element_ty), mask=ok)
-    if SUM:
-        part = (n * tl.num_programs(1) + pid_b) * A
-        tl.store(sum_ptr + part + offs_a, tl.sum(tile.to(tl.float32), axis=1), mask=offs_a < A)
+    _transpose_tile(src_ptr, dst_ptr, zero_ptr, sum_ptr, A, B, tl.program_id(0), tl.program_id(1),
+                    tl.program_id(2).to(tl.int64), tl.num_programs(1), ZERO, SUM, BLOCK_A, BLOCK_B)
+
+
+@triton.jit
+def _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, pid_o, pid_i, g,
+                      KH: tl.constexpr, KW: tl.constexpr, K_MAJOR: tl.constexpr, TAPS: tl.constexpr,
+                      BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+    """_pack_weight_kernel's tile (pid_o, pid_i) of conv group g (int64)."""
+    KK: tl.constexpr = KH * KW
+    offs_o = pid_o * BLOCK_O + tl.arange(0, BLOCK_O)
+    offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    tap = tl.arange(0, TAPS)
+    ok = (offs_o < COUT_G)[:, None, None] & (offs_i < CIN_G)[None, :, None] & (tap < KK)[None, None, :]
+    src = ((g * COUT_G + offs_o) * w_so)[:, None, None] + (offs_i.to(tl.int64) * w_si)[None, :, None] \
+        + ((tap // KW) * w_sh + (tap % KW) * w_sw)[None, None, :]
+    tile = tl.load(w_ptr + src, mask=ok, other=0.0)
+    row = g * KK + tap  # the packed [groups * KH*KW] index
+    if K_MAJOR:
+        dst = ((row[None, None, :] * COUT_G + offs_o[:, None, None]) * CIN_G) + offs_i[None, :, None]
+    else:
+        dst = ((row[None, None, :] * CIN_G + offs_i[None, :, None]) * COUT_G) + offs_o[:, None, None]
+    tl.store(wp_ptr + dst, tile.to(wp_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -1451,21 +1515,33 @@ def _pack_weight_kernel(
     channel, tap), read along the weight's contiguous side (taps for NCHW, input channels for channels_last) and
     written along the packed layout's (output channels, or input channels if K_MAJOR); the tile changes layout in
     shared memory, as in _transpose_kernel. Grid: (o tiles, i tiles, groups)."""
-    KK: tl.constexpr = KH * KW
-    offs_o = tl.program_id(0) * BLOCK_O + tl.arange(0, BLOCK_O)
-    offs_i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    g = tl.program_id(2).to(tl.int64)
-    tap = tl.arange(0, TAPS)
-    ok = (offs_o < COUT_G)[:, None, None] & (offs_i < CIN_G)[None, :, None] & (tap < KK)[None, None, :]
-    src = ((g * COUT_G + offs_o) * w_so)[:, None, None] + (offs_i.to(tl.int64) * w_si)[None, :, None] \
-        + ((tap // KW) * w_sh + (tap % KW) * w_sw)[None, None, :]
-    tile = tl.load(w_ptr + src, mask=ok, other=0.0)
-    row = g * KK + tap  # the packed [groups * KH*KW] index
-    if K_MAJOR:
-        dst = ((row[None, None, :] * COUT_G + offs_o[:, None, None]) * CIN_G) + offs_i[None, :, None]
+    _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, tl.program_id(0), tl.program_id(1),
+                      tl.program_id(2).to(tl.int64), KH, KW, K_MAJOR, TAPS, BLOCK_O, BLOCK_I)
+
+
+@triton.jit
+def _pack_and_transpose_kernel(
+    w_ptr, wp_ptr,                         # pack_weight's weight and packed weight (see _pack_weight_kernel)
+    src_ptr, dst_ptr,                      # the input and its copy (see _transpose_kernel)
+    CIN_G, COUT_G, w_so, w_si, w_sh, w_sw,  # the pack's sizes and the weight's strides
+    A, B,                                  # the transpose's: src viewed [images, A, B]
+    # tiles: the pack's along o and i (times the groups: PACK_PROGRAMS), the transpose's along a and b
+    TILES_O, TILES_I, PACK_PROGRAMS, TILES_A, TILES_B,
+    KH: tl.constexpr, KW: tl.constexpr, K_MAJOR: tl.constexpr, TAPS: tl.constexpr,
+    BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):
+    """The forward's two layout copies in one launch: programs [0, PACK_PROGRAMS) pack the weight, the rest
+    transpose the input (NCHW -> NHWC, or to the offset-grouped layout), so that the small pack runs beside the
+    transpose instead of after it. Grid: (PACK_PROGRAMS + TILES_A * TILES_B * images,)."""
+    pid = tl.program_id(0)
+    if pid < PACK_PROGRAMS:
+        _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, pid % TILES_O,
+                          (pid // TILES_O) % TILES_I, (pid // (TILES_O * TILES_I)).to(tl.int64),
+                          KH, KW, K_MAJOR, TAPS, BLOCK_O, BLOCK_I)
     else:
-        dst = ((row[None, None, :] * CIN_G + offs_i[None, :, None]) * COUT_G) + offs_o[:, None, None]
-    tl.store(wp_ptr + dst, tile.to(wp_ptr.dtype.element_ty), mask=ok)
+        t = pid - PACK_PROGRAMS
+        _transpose_tile(src_ptr, dst_ptr, dst_ptr, dst_ptr, A, B, t % TILES_A, (t // TILES_A) % TILES_B,
+                        (t // (TILES_A * TILES_B)).to(tl.int64), TILES_B, False, False, BLOCK_A, BLOCK_B)
 
 
 @triton.jit
@@ -1690,16 +1766,65 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
            weight.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     run = _PACKS.get(key)
     if run is None:
-        # 4096-element tiles, up to 64 along the written side (contiguous in the packed layout), all taps
-        taps = triton.next_power_of_2(kh * kw)
-        side = min(_pow2_clamp(cin_g if k_major else cout_g, 1, 64), max(4096 // taps, 1))
-        other = max(4096 // (taps * side), 1)
-        block_i, block_o = (side, other) if k_major else (other, side)
+        block_o, block_i, taps = _pack_blocks(weight.shape, groups, k_major)
         grid = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i), groups)
         meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
         run = _remember(_PACKS, key, _Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
     run(weight, out)
     return out
+
+
+def _pack_blocks(shape: Sequence[int], groups: int, k_major: bool) -> Tuple[int, int, int]:
+    """_pack_weight_tile's (BLOCK_O, BLOCK_I, TAPS) for a weight [Cout, Cin_g, kh, kw]: 4096-element tiles, up to 64
+    along the written side (contiguous in the packed layout), all taps."""
+    cout, cin_g, kh, kw = shape
+    taps = triton.next_power_of_2(kh * kw)
+    side = min(_pow2_clamp(cin_g if k_major else cout // groups, 1, 64), max(4096 // taps, 1))
+    other = max(4096 // (taps * side), 1)
+    block_i, block_o = (side, other) if k_major else (other, side)
+    return block_o, block_i, taps
+
+
+FUSED_PREP = True
+_PACK_AND_TRANSPOSE: Dict[tuple, "_Launch"] = {}
+
+
+def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: int, grouped: bool,
+                     k_major: bool) -> Tuple[Tensor, Tensor]:
+    """The forward's input in the layout its kernel reads (NHWC, or offset-grouped if grouped) and its packed weight
+    (pack_weight, in the input's dtype). Where both are Triton passes (an NCHW-contiguous input), one launch of
+    _pack_and_transpose_kernel does both."""
+    if not (FUSED_PREP and input.is_contiguous() and not input.is_contiguous(memory_format=torch.channels_last)
+            and _layout_kernel(input) and _layout_kernel(weight)):
+        x = _offset_grouped(input, offset_groups) if grouped else _nhwc(input)
+        return x, pack_weight(weight, groups, k_major, input.dtype)
+    n, c, h, w = input.shape
+    cout, cin_g, kh, kw = weight.shape
+    cout_g = cout // groups
+    if grouped:
+        x = torch.empty((n, offset_groups, h, w, c // offset_groups), dtype=input.dtype, device=input.device)
+        a, images = c // offset_groups, n * offset_groups
+    else:
+        x = torch.empty((n, c, h, w), dtype=input.dtype, device=input.device, memory_format=torch.channels_last)
+        a, images = c, n
+    wp = torch.empty((groups, kh * kw, cout_g, cin_g) if k_major else (groups, kh * kw, cin_g, cout_g),
+                     dtype=input.dtype, device=input.device)
+    key = (input.device, input.dtype, weight.dtype, input.shape, weight.shape, weight.stride(), groups, offset_groups,
+           grouped, k_major, *(t.data_ptr() % 16 == 0 for t in (input, x, weight, wp)))
+    run = _PACK_AND_TRANSPOSE.get(key)
+    if run is None:
+        block_o, block_i, taps = _pack_blocks(weight.shape, groups, k_major)
+        block_a, block_b = _transpose_blocks(a, h * w)
+        tiles = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i))
+        pack_programs = tiles[0] * tiles[1] * groups
+        tiles_ab = (triton.cdiv(a, block_a), triton.cdiv(h * w, block_b))
+        grid = (pack_programs + tiles_ab[0] * tiles_ab[1] * images,)
+        args = (cin_g, cout_g, *weight.stride(), a, h * w, *tiles, pack_programs, *tiles_ab)
+        meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_A=block_a,
+                    BLOCK_B=block_b, num_warps=4)
+        run = _remember(_PACK_AND_TRANSPOSE, key, _Launch(_pack_and_transpose_kernel, grid, args, meta))
+    run(weight, wp, input, x)
+    return x, wp
 
 
 def _grad_weight_like(weight: Tensor) -> Tensor:
@@ -1860,6 +1985,24 @@ def _grad_out_descriptor(go: Tensor, per_image: bool, block_m: int, block_n: int
     return TensorDescriptor(go, [n * h * w, c], [c, 1], [block_m, block_n])
 
 
+# The forward stores a 16-bit NCHW output in 16-byte runs along each channel plane where it can (see _run_store).
+RUN_STORES = True
+
+
+def _run_store(out: Tensor, block_m: int, nseg: int) -> int:
+    """The forward's RUN_STORE: 8 (elements a vectorised store writes: 16 bytes) for a 16-bit NCHW output whose
+    channel planes (Ho*Wo) and tiles (block_m) are multiples of 8 positions, with unpacked segments; else 0 (the
+    accumulator's own layout: each thread's pairs of channels, scalar 2-byte stores Ho*Wo apart). Measured on the
+    H200 (v23, graph, same process; benchmarks/NOTES.md): det-s3 fp16 0.228 -> 0.224 ms (0.218 with per-image
+    tiles), det-s4 bf16 0.149 -> 0.148. Not where runs would be shorter (cls-14, Ho*Wo = 196: 4-element runs, 0.071
+    -> 0.074), nor fp32 (hires-g8's packed fp32 forward 0.595 -> 0.703; det shapes within 1%), nor packed segments
+    (hires-g8's stores are vectorised already: Ho*Wo is a multiple of 16)."""
+    n, c, h, w = out.shape
+    if not RUN_STORES or nseg > 1 or out.element_size() != 2 or out.stride(3) != 1 or out.stride(1) != h * w:
+        return 0
+    return 8 if h * w % 8 == 0 and block_m % 8 == 0 else 0
+
+
 def _operands(offset: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """Offset and mask as the kernels read them: contiguous (a missing mask stays None)."""
     return offset.contiguous(), mask.contiguous() if mask is not None else None
@@ -1884,10 +2027,9 @@ def deform_conv2d_forward(
         plan = dict(geo=geo, seg=seg, memory_format=suggest_memory_format(input),
                     grouped=grouped_input(geo, seg), k_major=weight_k_major(input.dtype))
     geo, seg = plan["geo"], plan["seg"]
-    wp = pack_weight(weight, geo.groups, plan["k_major"], input.dtype)
+    x, wp = forward_operands(input, weight, geo.groups, geo.offset_groups, plan["grouped"], plan["k_major"])
     if keep is not None and not plan["k_major"]:
         keep["packed_weight"] = wp
-    x = _offset_grouped(input, geo.offset_groups) if plan["grouped"] else _nhwc(input)
     # --- allocate ---
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
                       memory_format=plan["memory_format"])
@@ -1900,7 +2042,8 @@ def deform_conv2d_forward(
 
     def launch(cfg: Config) -> _Launch:
         nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
-        per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg, input.dtype)
+        run_store = _run_store(out, cfg.block_m, nseg)
+        per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg, input.dtype, run_store > 0)
         grid = (_m_tiles(geo, cfg.block_m, per_image) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n),
                 geo.groups)
         args = (*_sizes(geo), *geo.stride, *geo.padding, *geo.dilation, *_position_strides(out))
@@ -1909,7 +2052,9 @@ def deform_conv2d_forward(
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
                     DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
-                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma, BLOCK_M=cfg.block_m,
+                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma,
+                    RUN_STORE=run_store,
+                    BLOCK_M=cfg.block_m,
                     BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, weight_operand(run), b, out)
