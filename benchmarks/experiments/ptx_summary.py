@@ -144,7 +144,8 @@ def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
             tma_data = dict(w_ptr=f"tensordesc<fp16[{bk},{min(bn, 128)}]>", go_ptr=go_desc.replace(str(bn), str(min(bn, 128))))
             log(tag, "fwd   ", counts(compile_kernel(K._deform_conv2d_fwd_kernel, dict(fwd, **tma_fwd), dict(
                 common, SEG=seg, NSEG=nseg, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=per_image, GROUPED=nseg > 1,
-                W_K_MAJOR=False, SAMPLE_AHEAD=False, TMA=tma, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk), out_ints,
+                W_K_MAJOR=False, SAMPLE_AHEAD=False, TMA=tma, BLOCK_M=128, BLOCK_N=bn, BLOCK_K=bk,
+                RUN_STORE=8 if nseg == 1 and shape[3] * shape[4] % 8 == 0 else 0), out_ints,  # as _run_store
                 8 if bn == 256 else 4)))  # fp16 layout
             log(tag, "data  ", counts(compile_kernel(K._deform_conv2d_bwd_data_kernel, dict(data, **(tma_data if tma else {})), dict(
                 common, SEG=seg, NSEG=nseg, NEED_GIN=True, NEED_GOFF=True, NEED_GMSK=True, FIXED_GIN=False, EVEN_K=True,

@@ -15,7 +15,9 @@ where packed segments are whole offset groups, offset-grouped instead ([N, G, H,
 grouped_input), so that a corner pair is one run. Offset and mask are read NCHW (consecutive positions are
 consecutive addresses); the weight is repacked once per call to [groups, kh*kw, Cin/groups, Cout/groups]
 (tap-major B rows), or for the fp32 forward to [groups, kh*kw, Cout/groups, Cin/groups] (TF32 wgmma reads its B
-tile K-major only: weight_k_major). Offsets into the input and gradient buffers are int64. On Hopper some
+tile K-major only: weight_k_major); for an NCHW input that pack and the input's copy are one launch
+(forward_operands). The output comes back in the input's memory format; a 16-bit NCHW one is stored in 16-byte runs
+along its channel planes where they allow (_run_store). Offsets into the input and gradient buffers are int64. On Hopper some
 configs (Config.tma) read the weight tiles and grad_out tiles through TMA descriptors instead of per-thread copies:
 one bulk copy a tile, without the 64-bit address arithmetic and predicates of each thread's share (the corner
 gathers stay per-thread `cp.async`; Hopper's TMA has no gather).
