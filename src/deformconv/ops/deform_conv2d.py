@@ -17,10 +17,10 @@ consecutive addresses); the weight is repacked once per call to [groups, kh*kw, 
 (tap-major B rows), or for the fp32 forward to [groups, kh*kw, Cout/groups, Cin/groups] (TF32 wgmma reads its B
 tile K-major only: weight_k_major); for an NCHW input that pack and the input's copy are one launch
 (forward_operands). The output comes back in the input's memory format; a 16-bit NCHW one is stored in 16-byte runs
-along its channel planes where they allow (_run_store). Offsets into the input and gradient buffers are int64. On Hopper some
-configs (Config.tma) read the weight tiles and grad_out tiles through TMA descriptors instead of per-thread copies:
-one bulk copy a tile, without the 64-bit address arithmetic and predicates of each thread's share (the corner
-gathers stay per-thread `cp.async`; Hopper's TMA has no gather).
+along its channel planes where they allow (_run_store). Offsets into the input and gradient buffers are int64. On
+Hopper some configs (Config.tma) read the weight tiles and grad_out tiles through TMA descriptors instead of
+per-thread copies: one bulk copy a tile, without the 64-bit address arithmetic and predicates of each thread's share
+(the corner gathers stay per-thread `cp.async`; Hopper's TMA has no gather).
 
 Precision: the GEMMs accumulate in fp32 (TF32 on the tensor cores for fp32 inputs only where
 torch.backends.cudnn.allow_tf32 permits). Sample points and bilinear weights are fp32. The forward blends the 4
@@ -1787,6 +1787,8 @@ def _pack_blocks(shape: Sequence[int], groups: int, k_major: bool) -> Tuple[int,
     return block_o, block_i, taps
 
 
+# The forward packs the weight in the launch that copies an NCHW input (_pack_and_transpose_kernel): v23, H200, graph,
+# fp16: det-s3 0.228 -> 0.225 ms, cls-14 0.071 -> 0.070, hires-g8 0.359 -> 0.357 (benchmarks/NOTES.md).
 FUSED_PREP = True
 _PACK_AND_TRANSPOSE: Dict[tuple, "_Launch"] = {}
 
@@ -2054,10 +2056,8 @@ def deform_conv2d_forward(
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, NSEG=nseg,
                     HAS_MASK=mask is not None, HAS_BIAS=bias is not None, EVEN_K=even_k,
                     DOT_PRECISION=_dot_precision(input.dtype), W_K_MAJOR=plan["k_major"], PER_IMAGE=per_image,
-                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma,
-                    RUN_STORE=run_store,
-                    BLOCK_M=cfg.block_m,
-                    BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
+                    GROUPED=plan["grouped"], SAMPLE_AHEAD=cfg.sample_ahead, TMA=tma, RUN_STORE=run_store,
+                    BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
         run = _Launch(_deform_conv2d_fwd_kernel, grid, args, meta)
         run(x, off, msk, weight_operand(run), b, out)
         return run
