@@ -47,6 +47,8 @@ CASES = {
     "dilation-zero": (dict(dilation=(0, 1)), ValueError, r"dilation must be positive, got \(0, 1\)"),
     "padding-negative": (dict(padding=-1), ValueError, r"padding must be non-negative, got \(-1, -1\)"),
     "stride-type": (dict(stride=1.5), TypeError, r"stride must be an int or a pair of ints, got float 1.5"),
+    "stride-bool": (dict(stride=True), TypeError, r"stride must be an int or a pair of ints, got bool True"),
+    "dilation-bool-in-pair": (dict(dilation=(1, True)), TypeError, r"dilation must be an int or a pair of ints, got \(1, True\)"),
     "padding-triple": (dict(padding=(1, 1, 1)), TypeError, r"padding must be an int or a pair of ints, got \(1, 1, 1\)"),
     "output-size": (dict(input=torch.randn(2, 4, 2, 2), padding=0), ValueError, r"computed output size \(0, 0\) is not positive"),
     "device-mismatch": (dict(offset=torch.randn(2, 18, 7, 8, device="meta")), ValueError, r"offset must be on the same device as input \(cpu\), got meta"),
@@ -58,10 +60,40 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "after-a-good-call"])
 @pytest.mark.parametrize("changes,exc,match", list(CASES.values()), ids=list(CASES))
-def test_bad_argument_raises(changes, exc, match):
+def test_bad_argument_raises(changes, exc, match, warm):
+    """Also right after a good call of the same shapes, whose signature the checks remember (checks._VALID): a
+    remembered signature never lets a bad argument through (stride True hashes as 1, for one)."""
+    if warm:
+        _call()
     with pytest.raises(exc, match=match):
         _call(**changes)
+
+
+def test_a_repeated_signature_skips_the_checks(monkeypatch):
+    """A good call's signature (shapes, dtypes, devices, integer arguments) is remembered with its geometry: the same
+    signature again returns it without checking; the memory stays bounded."""
+    from deformconv import checks
+
+    monkeypatch.setattr(checks, "_VALID", {})
+    monkeypatch.setattr(checks, "_MAX_VALID", 3)
+    kw = _good()
+    args = (kw["input"], kw["offset"], kw["weight"], kw["bias"], 1, 1, 1, kw["mask"])
+    geo = checks.check_deform_conv2d_args(*args)
+    calls = []
+    monkeypatch.setattr(checks, "_check_args", lambda *a: calls.append(a))
+    assert checks.check_deform_conv2d_args(*args) is geo and calls == []
+    checks.check_deform_conv2d_args(*args[:5], (1, 1), [1, 1], args[7])  # the same pairs spelled otherwise
+    assert calls == []
+    checks.check_deform_conv2d_args(*args[:4], 2, *args[5:])  # another stride: checked
+    assert len(calls) == 1
+    monkeypatch.undo()
+    monkeypatch.setattr(checks, "_MAX_VALID", 3)
+    for n in range(1, 6):  # five signatures: batches of 1 to 5
+        geo = checks.check_deform_conv2d_args(torch.randn(n, 4, 7, 8), torch.randn(n, 18, 7, 8), *args[2:7],
+                                               torch.rand(n, 9, 7, 8))
+        assert geo.batch == n and len(checks._VALID) <= 3
 
 
 def test_forced_backend_that_cannot_run_says_why(monkeypatch):

@@ -4,7 +4,7 @@ argument, what was expected and what came, before any kernel runs."""
 from __future__ import annotations
 
 import operator
-from typing import NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -63,6 +63,42 @@ def _check_tensor(t: Tensor, name: str, ndim: int, shape_doc: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
 
 
+# Call signatures that passed the checks, and their geometry: a repeated call (the same shapes, dtypes, devices and
+# integer arguments) skips them. The checks read nothing else, so a signature decides them.
+_VALID: Dict[tuple, ConvGeometry] = {}
+_MAX_VALID = 256
+
+
+def _int_pair_key(value) -> Optional[Tuple[int, int]]:
+    """value as (a, b) if it is an int or a 2-tuple/list of ints (bool excluded: the checks refuse it), else None."""
+    if type(value) is int:
+        return (value, value)
+    if type(value) in (tuple, list) and len(value) == 2 and type(value[0]) is int and type(value[1]) is int:
+        return (value[0], value[1])
+    return None
+
+
+def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair], allow_mixed_dtypes: bool) -> Optional[tuple]:
+    """The key of _VALID: every property the checks read, or None where a call is not cached (while torch.compile
+    traces; tensor subclasses other than Parameter; arguments of other types)."""
+    if torch.compiler.is_compiling():
+        return None
+    key = [allow_mixed_dtypes]
+    for t in tensors:
+        if t is None:
+            key.append(None)
+        elif type(t) is Tensor or type(t) is torch.nn.Parameter:
+            key.append((t.shape, t.dtype, t.device))
+        else:
+            return None
+    for value in pairs:
+        p = _int_pair_key(value)
+        if p is None:
+            return None
+        key.append(p)
+    return tuple(key)
+
+
 def check_deform_conv2d_args(
     input: Tensor,
     offset: Tensor,
@@ -75,7 +111,21 @@ def check_deform_conv2d_args(
     *,
     allow_mixed_dtypes: bool = False,
 ) -> ConvGeometry:
-    """Validate a deform_conv2d call and return its geometry. Raises TypeError/ValueError on bad input."""
+    """Validate a deform_conv2d call and return its geometry. Raises TypeError/ValueError on bad input. A call with
+    the signature of one that passed before (_VALID) returns that geometry without checking again."""
+    key = _signature((input, offset, weight, bias, mask), (stride, padding, dilation), allow_mixed_dtypes)
+    geo = _VALID.get(key) if key is not None else None
+    if geo is None:
+        geo = _check_args(input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes)
+        if key is not None:
+            if len(_VALID) >= _MAX_VALID:
+                _VALID.clear()
+            _VALID[key] = geo
+    return geo
+
+
+def _check_args(input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes) -> ConvGeometry:
+    """check_deform_conv2d_args's checks."""
     _check_tensor(input, "input", 4, "[N, Cin, H, W]")
     _check_tensor(offset, "offset", 4, "[N, 2*offset_groups*kh*kw, Ho, Wo]")
     _check_tensor(weight, "weight", 4, "[Cout, Cin/groups, kh, kw]")
