@@ -1728,13 +1728,19 @@ def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None
     n, c, h, w = t.shape
     cog = c // offset_groups
     if t.is_contiguous() and _layout_kernel(t):
-        out = torch.empty((n, offset_groups, h, w, cog), dtype=t.dtype, device=t.device)
+        out = _offset_grouped_empty(t, offset_groups)
         _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog),
                         zero)
         return out
     if zero is not None:
         zero.zero_()
     return t.permute(0, 2, 3, 1).reshape(n, h, w, offset_groups, cog).permute(0, 3, 1, 2, 4).contiguous()
+
+
+def _offset_grouped_empty(t: Tensor, offset_groups: int) -> Tensor:
+    """An empty [N, G, H, W, C/G] buffer for t's data in the offset-grouped layout (t's dtype and device)."""
+    n, c, h, w = t.shape
+    return torch.empty((n, offset_groups, h, w, c // offset_groups), dtype=t.dtype, device=t.device)
 
 
 def _from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
@@ -1762,8 +1768,7 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
     if not _layout_kernel(weight):
         w = weight.to(dtype).reshape(groups, cout_g, cin_g, kh * kw)
         return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
-    out = torch.empty((groups, kh * kw, cout_g, cin_g) if k_major else (groups, kh * kw, cin_g, cout_g), dtype=dtype,
-                      device=weight.device)
+    out = _packed_empty(weight, groups, k_major, dtype)
     key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
            weight.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
     run = _PACKS.get(key)
@@ -1774,6 +1779,13 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
         run = _remember(_PACKS, key, _Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
     run(weight, out)
     return out
+
+
+def _packed_empty(weight: Tensor, groups: int, k_major: bool, dtype: torch.dtype) -> Tensor:
+    """An empty packed weight (pack_weight's layout) in dtype, on the weight's device."""
+    cout, cin_g, kh, kw = weight.shape
+    shape = (groups, kh * kw, cout // groups, cin_g) if k_major else (groups, kh * kw, cin_g, cout // groups)
+    return torch.empty(shape, dtype=dtype, device=weight.device)
 
 
 def _pack_blocks(shape: Sequence[int], groups: int, k_major: bool) -> Tuple[int, int, int]:
@@ -1806,13 +1818,12 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
     cout, cin_g, kh, kw = weight.shape
     cout_g = cout // groups
     if grouped:
-        x = torch.empty((n, offset_groups, h, w, c // offset_groups), dtype=input.dtype, device=input.device)
+        x = _offset_grouped_empty(input, offset_groups)
         a, images = c // offset_groups, n * offset_groups
     else:
         x = torch.empty((n, c, h, w), dtype=input.dtype, device=input.device, memory_format=torch.channels_last)
         a, images = c, n
-    wp = torch.empty((groups, kh * kw, cout_g, cin_g) if k_major else (groups, kh * kw, cin_g, cout_g),
-                     dtype=input.dtype, device=input.device)
+    wp = _packed_empty(weight, groups, k_major, input.dtype)
     key = (input.device, input.dtype, weight.dtype, input.shape, weight.shape, weight.stride(), groups, offset_groups,
            grouped, k_major, *(t.data_ptr() % 16 == 0 for t in (input, x, weight, wp)))
     run = _PACK_AND_TRANSPOSE.get(key)
