@@ -121,6 +121,18 @@ def force_tma(kernels, monkeypatch, tma):
     monkeypatch.setattr(kernels, "_TUNED", {})
 
 
+class CountingKernel:
+    """A Triton kernel stand-in (monkeypatched over one in deformconv.ops.deform_conv2d) that records each launch
+    (its grid) in log and runs the kernel."""
+
+    def __init__(self, kernel, log):
+        self.kernel, self.log, self.arg_names = kernel, log, kernel.arg_names
+
+    def __getitem__(self, grid):
+        self.log.append(grid)
+        return self.kernel[grid]
+
+
 def launch_metas(kernels):
     """The meta-parameters (constexprs) of the planned launches, forward then grad_input then grad_weight kernel."""
     launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import deformconv
-from conftest import (FINISH_CASE_IDS, FINISH_CASES, assert_close, assert_near_rounding, check_finish_grads, force_tma,
-                      launch_metas, make_case, nan_filled_empty)
+from conftest import (FINISH_CASE_IDS, FINISH_CASES, CountingKernel, assert_close, assert_near_rounding,
+                      check_finish_grads, force_tma, launch_metas, make_case, nan_filled_empty)
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -870,21 +870,28 @@ def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
 @pytest.mark.parametrize("config,input_layout,deterministic", [
     ("3x3-pad1", "nchw", False), ("og4-packed-segments", "nchw", False), ("3x3-pad1", "nchw", True),
     ("3x3-pad1", "channels_last", False)], ids=["nchw", "offset-grouped", "nchw-deterministic", "channels-last-input"])
-def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, monkeypatch):
+@pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
+def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch):
     """With the layout copies through _transpose_kernel as on the GPU (LAYOUT_KERNELS_ON_CPU; the CPU otherwise uses
     torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a channels-last
     input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no channel-sum
-    launch, no bias rows in the grad_weight kernel), and every gradient is the oracle's."""
+    launch, no bias rows in the grad_weight kernel), the two passes run in one _transpose_pair_kernel launch where
+    both exist (PAIRED_TRANSPOSES; else one launch each), and every gradient is the oracle's."""
     from deformconv.ops import deform_conv2d as kernels
 
     monkeypatch.setattr(kernels, "LAYOUT_KERNELS_ON_CPU", True)
-    monkeypatch.setattr(kernels, "_PLANS", {})
+    monkeypatch.setattr(kernels, "PAIRED_TRANSPOSES", paired)
+    for cache in ("_PLANS", "_TRANSPOSES", "_TRANSPOSE_PAIRS"):  # cached launches would not be counted
+        monkeypatch.setattr(kernels, cache, {})
     passes, sums = [], []
+    launches = {name: [] for name in ("_transpose_kernel", "_transpose_pair_kernel")}
+    for name, log in launches.items():
+        monkeypatch.setattr(kernels, name, CountingKernel(getattr(kernels, name), log))
     real_transpose, real_sum = kernels._transpose_last, kernels._channel_sum
 
-    def transpose(src, a, b, out, zero=None, sums=None):
+    def transpose(src, a, b, out, zero=None, sums=None, jobs=None):
         passes.append((None if zero is None else zero.dtype, sums is not None))
-        return real_transpose(src, a, b, out, zero, sums)
+        return real_transpose(src, a, b, out, zero, sums, jobs)
 
     monkeypatch.setattr(kernels, "_transpose_last", transpose)
     monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
@@ -899,6 +906,12 @@ def test_backward_through_the_layout_kernels(backend, dtype, config, input_layou
     assert zeroed == ([] if input_layout == "channels_last" else [torch.int64 if deterministic else torch.float32])
     assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (_run's grad_out is NCHW)
     assert [m["NEED_BIAS"] for m in launch_metas(kernels) if "NEED_BIAS" in m] == [False]
+    # the forward's input pass is fused with its weight pack (_pack_and_transpose_kernel); the backward's two
+    # passes (an NCHW input's and grad_out's) pair up, grad_input's accumulator goes back in a pass of its own
+    nchw = input_layout == "nchw"
+    pairs = 1 if paired and nchw else 0
+    assert {k: len(v) for k, v in launches.items()} == {
+        "_transpose_pair_kernel": pairs, "_transpose_kernel": (1 + nchw - 2 * pairs) + nchw}
 
 
 @pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")

@@ -19,16 +19,17 @@ from torch.autograd.function import once_differentiable
 from .library import _setup_context, backward_impl, forward_impl, input_grads
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
-_DEVICES = ("cuda", "cpu")
+# functorch's check, looked up once (a torch without it: every tensor counts as wrapped, so calls take the op)
+_FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
 def _is_functorch_wrapped(t: Tensor) -> bool:
-    check = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
-    return bool(check(t)) if check is not None else True  # unknown torch: be safe, take the op
+    return bool(_FUNCTORCH_WRAPPED(t)) if _FUNCTORCH_WRAPPED is not None else True
 
 
 def fast_path_ok(tensors: List[Optional[Tensor]], autocasting: bool) -> bool:
-    """Whether a call may skip the registered op: a plain eager call on plain CPU/CUDA tensors."""
+    """Whether a call may skip the registered op: a plain eager call on plain CPU/CUDA tensors. (Called at every
+    call: tensor attributes that build no objects, is_cuda / is_cpu rather than device.type.)"""
     if autocasting or torch.compiler.is_compiling() or torch.jit.is_tracing():
         return False
     if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
@@ -36,7 +37,7 @@ def fast_path_ok(tensors: List[Optional[Tensor]], autocasting: bool) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _PLAIN or t.device.type not in _DEVICES or _is_functorch_wrapped(t):
+        if type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu) or _is_functorch_wrapped(t):
             return False
     return True
 

@@ -44,6 +44,7 @@ torch.library glue is in deformconv/library.py, the dispatch in deformconv/backe
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -375,7 +376,7 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
         tiles = _weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
-        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device, concurrent),
+        cands.append(Config(bm, bn, kk, warps, stages, split=_split_for(geo, tiles, bm, device, concurrent, dtype),
                             maxnreg=maxnreg))
     if not _short_segments(geo, seg, "bwd_weight"):
         cands.insert(0, dataclasses.replace(cands[0], tma=True))
@@ -391,21 +392,26 @@ def _sm_count(device: torch.device) -> int:
 SPLIT_PARTIAL_BYTES = 4
 
 
-# grad_weight's programs per SM when it runs beside the grad_input kernel (concurrent_backward), which takes the rest.
-# v19 sweep (H200, the backward, graph, 0.25 / 0.5 / 1 / 2 a SM): det-s5 (144 tiles) split 1 at up to 1 a SM, 0.473
-# ms fp16 (2 a SM, split 2: 0.499); cls-14 (36 tiles fp16, 72 fp32) fp16 0.470 / 0.322 / 0.324 / 0.326, fp32 split 1 ->
-# 2 0.638 -> 0.571; det-s4 fp16 0.953 / 0.739 / 0.726 / 0.699 (tap split 1; with 3: 0.675 at 1 a SM), fp32 1.195 /
-# 1.195 / 1.122 / 1.142. One a SM: within 1% of the best measured at each, the peak 2-9 MiB below 2 a SM.
-CONCURRENT_WEIGHT_PROGRAMS_PER_SM = 1.0
+# grad_weight's programs per SM when it runs beside the grad_input kernel (concurrent_backward), which takes the rest,
+# by the input's element size. v19 sweep (H200, the backward, graph, 0.25 / 0.5 / 1 / 2 a SM): det-s5 (144 tiles)
+# split 1 at up to 1 a SM, 0.473 ms fp16 (2 a SM, split 2: 0.499); cls-14 (36 tiles fp16, 72 fp32) fp16 0.470 / 0.322 /
+# 0.324 / 0.326, fp32 split 1 -> 2 0.638 -> 0.571; det-s4 fp16 0.953 / 0.739 / 0.726 / 0.699 (tap split 1; with 3:
+# 0.675 at 1 a SM), fp32 1.195 / 1.195 / 1.122 / 1.142. v24 (fp16 fwd+bwd, graph, same process, 1 -> 0.5 a SM):
+# cls-14 0.386 -> 0.386 ms with its workspace 5.61 -> 4.96x the input (split 4 -> 2), det-s4 0.825 -> 0.818 and
+# 4.68 -> 4.40x, det-s5 unchanged (split 1): so half a SM in 16 bits (fewer partials, same time), one in fp32
+# (half lost 6-12% there in v19).
+CONCURRENT_WEIGHT_PROGRAMS_PER_SM = {2: 0.5, 4: 1.0}
 
 
-def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device, concurrent: bool = False) -> int:
-    """Split-M factor for grad_weight: about 3 programs per SM (CONCURRENT_WEIGHT_PROGRAMS_PER_SM beside the
-    grad_input kernel), at least 4 M tiles each, and the fp32 partial sums within SPLIT_PARTIAL_BYTES per input
+def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device, concurrent: bool = False,
+               dtype: torch.dtype = torch.float32) -> int:
+    """Split-M factor for grad_weight: about 3 programs per SM (CONCURRENT_WEIGHT_PROGRAMS_PER_SM for dtype beside
+    the grad_input kernel), at least 4 M tiles each, and the fp32 partial sums within SPLIT_PARTIAL_BYTES per input
     element or 4 weights, whichever is more."""
     m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     sms = _sm_count(device)
-    programs = CONCURRENT_WEIGHT_PROGRAMS_PER_SM * sms if concurrent else 3 * sms
+    beside = CONCURRENT_WEIGHT_PROGRAMS_PER_SM.get(dtype.itemsize, 1.0)
+    programs = beside * sms if concurrent else 3 * sms
     want = triton.cdiv(max(1, round(programs)), max(tiles, 1))
     weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
     input_elems = geo.batch * geo.in_channels * geo.height * geo.width
@@ -1483,6 +1489,27 @@ def _transpose_kernel(
 
 
 @triton.jit
+def _transpose_pair_kernel(
+    src1_ptr, dst1_ptr, zero1_ptr, sum1_ptr,  # the first transpose's tensors (see _transpose_kernel)
+    src2_ptr, dst2_ptr, zero2_ptr, sum2_ptr,  # the second's
+    A1, B1, TILES_A1, TILES_B1, PROGRAMS1,    # the first's sizes (src viewed [images, A1, B1]), tiles, programs
+    A2, B2, TILES_A2, TILES_B2,               # the second's sizes and tiles
+    ZERO1: tl.constexpr, SUM1: tl.constexpr, BLOCK_A1: tl.constexpr, BLOCK_B1: tl.constexpr,
+    ZERO2: tl.constexpr, SUM2: tl.constexpr, BLOCK_A2: tl.constexpr, BLOCK_B2: tl.constexpr,
+):
+    """Two _transpose_kernel passes in one launch (the backward's grad_out and input copies): programs [0, PROGRAMS1)
+    do the first (PROGRAMS1 = TILES_A1 * TILES_B1 * its images), the rest the second. Grid: (all programs,)."""
+    pid = tl.program_id(0)
+    if pid < PROGRAMS1:
+        _transpose_tile(src1_ptr, dst1_ptr, zero1_ptr, sum1_ptr, A1, B1, pid % TILES_A1, (pid // TILES_A1) % TILES_B1,
+                        (pid // (TILES_A1 * TILES_B1)).to(tl.int64), TILES_B1, ZERO1, SUM1, BLOCK_A1, BLOCK_B1)
+    else:
+        t = pid - PROGRAMS1
+        _transpose_tile(src2_ptr, dst2_ptr, zero2_ptr, sum2_ptr, A2, B2, t % TILES_A2, (t // TILES_A2) % TILES_B2,
+                        (t // (TILES_A2 * TILES_B2)).to(tl.int64), TILES_B2, ZERO2, SUM2, BLOCK_A2, BLOCK_B2)
+
+
+@triton.jit
 def _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, pid_o, pid_i, g,
                       KH: tl.constexpr, KW: tl.constexpr, K_MAJOR: tl.constexpr, TAPS: tl.constexpr,
                       BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
@@ -1634,10 +1661,19 @@ def _transpose_blocks(a: int, b: int) -> Tuple[int, int]:
 
 
 def _transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor] = None,
-                    sums: Optional[Tensor] = None) -> Tensor:
+                    sums: Optional[Tensor] = None, jobs: Optional[list] = None) -> Tensor:
     """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype. zero: a tensor of out's size
     zeroed in the same pass; sums: fp32 [N, cdiv(b, BLOCK_B), a] that receives src's sums over b by tiles
-    (_transpose_sum_rows)."""
+    (_transpose_sum_rows). jobs: a list that receives the pass instead, for run_transposes."""
+    if jobs is not None:
+        jobs.append((src, a, b, out, zero, sums))
+        return out
+    return _transpose_one(src, a, b, out, zero, sums)
+
+
+def _transpose_one(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor],
+                   sums: Optional[Tensor]) -> Tensor:
+    """_transpose_last's pass: one _transpose_kernel launch."""
     extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
     key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
            extras)
@@ -1652,6 +1688,47 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Ten
     return out
 
 
+# The backward's two layout passes (grad_out's and the input's copies) in one launch where both are passes
+# (_transpose_pair_kernel): one launch fewer a chunk, some 25-30 us of host time each on the H200's host (v24).
+PAIRED_TRANSPOSES = True
+_TRANSPOSE_PAIRS: Dict[tuple, "_Launch"] = {}
+
+
+def run_transposes(jobs: list) -> None:
+    """Run the passes _transpose_last collected in jobs: two in one launch (PAIRED_TRANSPOSES), else one by one."""
+    if len(jobs) == 2 and PAIRED_TRANSPOSES:
+        _transpose_pair(*jobs)
+    else:
+        for job in jobs:
+            _transpose_one(*job)
+    jobs.clear()
+
+
+def _transpose_pair(first: tuple, second: tuple) -> None:
+    """_transpose_last's two passes (src, a, b, out, zero, sums) in one _transpose_pair_kernel launch."""
+    def key_of(src, a, b, out, zero, sums):
+        extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
+        return (src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, extras)
+
+    key = (first[0].device, key_of(*first), key_of(*second))
+    run = _TRANSPOSE_PAIRS.get(key)
+    if run is None:
+        sizes, meta = [], dict(num_warps=4)
+        for i, (src, a, b, out, zero, sums) in enumerate((first, second), 1):
+            block_a, block_b = _transpose_blocks(a, b)
+            tiles = (triton.cdiv(a, block_a), triton.cdiv(b, block_b))
+            sizes.append((a, b, *tiles, tiles[0] * tiles[1] * src.shape[0]))
+            meta.update({f"ZERO{i}": zero is not None, f"SUM{i}": sums is not None, f"BLOCK_A{i}": block_a,
+                         f"BLOCK_B{i}": block_b})
+        grid = (sizes[0][4] + sizes[1][4],)
+        run = _remember(_TRANSPOSE_PAIRS, key, _Launch(_transpose_pair_kernel, grid, (*sizes[0], *sizes[1][:4]), meta))
+    tensors = []
+    for src, a, b, out, zero, sums in (first, second):
+        tensors += [src, out, zero if zero is not None else out, sums if sums is not None else out]
+    run(*tensors)
+
+
+@functools.lru_cache(maxsize=256)
 def _transpose_sum_rows(a: int, b: int) -> int:
     """Rows of sums per image that _transpose_last writes for an [a, b] -> [b, a] transpose."""
     return triton.cdiv(b, _transpose_blocks(a, b)[1])
@@ -1698,9 +1775,11 @@ def _nhwc_pass(t: Tensor) -> bool:
     return not t.is_contiguous(memory_format=torch.channels_last) and _layout_kernel(t)
 
 
-def _nhwc(t: Tensor, zero: Optional[Tensor] = None, sums: Optional[Tensor] = None) -> Tensor:
+def _nhwc(t: Tensor, zero: Optional[Tensor] = None, sums: Optional[Tensor] = None,
+          jobs: Optional[list] = None) -> Tensor:
     """The tensor's data in NHWC order: itself if channels_last already, else one transpose pass. zero: a tensor of
-    t's size to zero, in that pass where there is one (else zeroed here); sums: see _nhwc_summed (pass only)."""
+    t's size to zero, in that pass where there is one (else zeroed here); sums: see _nhwc_summed (pass only); jobs:
+    see _transpose_last (the copy is then written when they run)."""
     if not _nhwc_pass(t):
         if zero is not None:
             zero.zero_()
@@ -1708,29 +1787,30 @@ def _nhwc(t: Tensor, zero: Optional[Tensor] = None, sums: Optional[Tensor] = Non
     t = t.contiguous()
     n, c, h, w = t.shape
     out = torch.empty_like(t, memory_format=torch.channels_last)
-    return _transpose_last(t, c, h * w, out, zero, sums)
+    return _transpose_last(t, c, h * w, out, zero, sums, jobs)
 
 
-def _nhwc_summed(t: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+def _nhwc_summed(t: Tensor, jobs: Optional[list] = None) -> Tuple[Tensor, Optional[Tensor]]:
     """(_nhwc(t), and where that is a transpose pass, t's fp32 channel sums by tiles of positions from the same pass,
-    [N * tiles, C], for _finish_grads; else None)."""
+    [N * tiles, C], for _finish_grads; else None). jobs: see _nhwc."""
     if not _nhwc_pass(t):
         return _nhwc(t), None
     n, c, h, w = t.shape
     sums = torch.empty((n, _transpose_sum_rows(c, h * w), c), dtype=torch.float32, device=t.device)
-    return _nhwc(t, sums=sums), sums.view(-1, c)
+    return _nhwc(t, sums=sums, jobs=jobs), sums.view(-1, c)
 
 
-def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None) -> Tensor:
+def _offset_grouped(t: Tensor, offset_groups: int, zero: Optional[Tensor] = None,
+                    jobs: Optional[list] = None) -> Tensor:
     """The tensor's data as [N, G, H, W, C/G] (each offset group's channels of a pixel contiguous, pixels of
     one group contiguous): one transpose pass from NCHW, a permuting copy from channels_last. zero: a tensor of t's
-    size to zero, in that pass where there is one."""
+    size to zero, in that pass where there is one; jobs: see _nhwc."""
     n, c, h, w = t.shape
     cog = c // offset_groups
     if t.is_contiguous() and _layout_kernel(t):
         out = _offset_grouped_empty(t, offset_groups)
         _transpose_last(t.view(n * offset_groups, cog, h * w), cog, h * w, out.view(n * offset_groups, h * w, cog),
-                        zero)
+                        zero, jobs=jobs)
         return out
     if zero is not None:
         zero.zero_()
@@ -2147,11 +2227,12 @@ def deform_conv2d_backward(
         step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent)
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
-            sl = slice(n0, n0 + step)
+            # this chunk's images (slices: a few microseconds each, so not where the chunk is the batch)
+            part = (lambda t: t) if whole else (lambda t, sl=slice(n0, n0 + step): t[sl])  # noqa: E731
             gw, pb = _backward_images(
-                grad_out[sl], input[sl], off[sl], wp, msk[sl] if msk is not None else None, stride, padding, dilation,
-                weight, scales, grad_in[sl] if need_in else None, grad_off[sl] if need_off else None,
-                grad_mask[sl] if need_mask else None, need_w, concurrent, whole, need_b and whole)
+                part(grad_out), part(input), part(off), wp, part(msk) if msk is not None else None, stride, padding,
+                dilation, weight, scales, part(grad_in) if need_in else None, part(grad_off) if need_off else None,
+                part(grad_mask) if need_mask else None, need_w, concurrent, whole, need_b and whole)
             if not need_w:
                 continue
             if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)
@@ -2195,7 +2276,8 @@ def _backward_images(
     # grad_bias's partials come from that pass where there is one (NCHW grad_out), else from the grad_weight kernel
     # where its split allows (bias_rows: fused_bias), else the caller sums grad_out's channels.
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
-    go, go_sums = _nhwc_summed(grad_out) if need_b else (_nhwc(grad_out), None)
+    jobs: list = []  # grad_out's and the input's transpose passes, run together below (run_transposes)
+    go, go_sums = _nhwc_summed(grad_out, jobs) if need_b else (_nhwc(grad_out, jobs=jobs), None)
     bias_rows = need_b and go_sums is None
     msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
@@ -2220,7 +2302,8 @@ def _backward_images(
     # grad_input's accumulator (fp32, or int64 fixed point when deterministic), zeroed in the input's transpose pass
     gin = torch.empty(plan["gin_shape"], dtype=torch.int64 if fixed_gin else torch.float32,
                       device=input.device) if need_in else None
-    x = _offset_grouped(input, geo.offset_groups, gin) if grouped else _nhwc(input, gin)
+    x = _offset_grouped(input, geo.offset_groups, gin, jobs) if grouped else _nhwc(input, gin, jobs=jobs)
+    run_transposes(jobs)
     cout_g = geo.out_channels // geo.groups
     grad_w, grad_b = None, go_sums
 
@@ -2296,13 +2379,17 @@ def _backward_images(
     # candidates are timed: DEFORMCONV_AUTOTUNE's first call). Every tensor it reads or writes was allocated on this
     # stream before the fork, and this stream waits for it before any of them is freed, so the caching allocator
     # cannot hand their memory out early.
-    side = part = None
+    side = main = part = None
     if need_w and concurrent and not (autotune_enabled() and "data" not in plan):
         part = weight_partials()
         side = _side_stream(input.device)
-        side.wait_stream(torch.cuda.current_stream(input.device))
-        with torch.cuda.stream(side):
+        main = torch.cuda.current_stream(input.device)  # looked up once (its Stream object costs microseconds)
+        side.wait_stream(main)
+        torch.cuda.set_stream(side)
+        try:
             grad_weight_into(part)
+        finally:
+            torch.cuda.set_stream(main)
 
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     try:
@@ -2359,7 +2446,7 @@ def _backward_images(
                 del gin
     finally:  # the side stream joins this one before anything it uses can be freed, even after an error
         if side is not None:
-            torch.cuda.current_stream(input.device).wait_stream(side)
+            main.wait_stream(side)
 
     # --- grad_weight: launched here unless it runs beside grad_input ---
     if need_w:
