@@ -723,6 +723,8 @@ def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config,
 
     monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
     monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 2)  # one M tile per image at these sizes: 2 images
+    # the chunks themselves: these tiny layers' weights are as large as their inputs, so by memory they would run whole
+    monkeypatch.setattr(kernels, "_chunked_weight_bytes", lambda *a: 0)
     chunks = []
     real = kernels._backward_images
     monkeypatch.setattr(kernels, "_backward_images", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
@@ -832,6 +834,28 @@ def test_workspace_budget_from_the_environment(monkeypatch):
         monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
         with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):
             kernels.backward_chunk_images(x, x, True, True, False)
+
+
+@pytest.mark.parametrize("shape,budget,images", [
+    ((8, 512, 25, 38), "2", 8),    # det-s5: 4 images by the budget, but its weight's fp32 sums take more than they free
+    ((8, 512, 25, 38), "0.5", 8),  # 1 image: still no saving
+    ((8, 256, 50, 76), "2", 4),    # det-s4: chunks of 4 (measured v24: 4.7x -> 2.2x the input)
+    ((64, 256, 14, 14), "2", 32),  # cls-14: chunks of 32 (5.5x -> 3.0x)
+    ((64, 256, 14, 14), "3", 48),
+], ids=["det-s5-2", "det-s5-0.5", "det-s4-2", "cls-14-2", "cls-14-3"])
+def test_backward_chunks_only_where_they_save_memory(shape, budget, images, monkeypatch):
+    """With grad_weight, chunks sum it over the batch in fp32 (a running sum, a chunk's sum and split partials of at
+    least 4 weights' worth: _chunked_weight_bytes); where that takes what the chunks free, the batch runs whole.
+    Without grad_weight, or without the weight's size given, the budget alone decides (det-s5: 4 images at 2)."""
+    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", budget)
+    n, c, h, w = shape
+    x = _meta(shape, torch.float16)
+    weight_elems = c * c * 9
+    assert kernels.backward_chunk_images(x, x, True, True, False, weight_elems=weight_elems) == images
+    by_budget = kernels.backward_chunk_images(x, x, True, True, False)
+    assert by_budget == (images if images < n else {"2": 4, "0.5": 1}[budget])
+    assert kernels.backward_chunk_images(x, x, True, False, False, weight_elems=weight_elems) == by_budget
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)

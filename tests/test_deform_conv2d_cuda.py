@@ -428,12 +428,18 @@ def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, mo
 
     monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
     monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 1)
+    # the chunks themselves: these small layers' weights are as large as their inputs, so by memory they would run whole
+    monkeypatch.setattr(kernels, "_chunked_weight_bytes", lambda *a: 0)
+    chunks = []
+    real = kernels._backward_images
+    monkeypatch.setattr(kernels, "_backward_images", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = _case(shape, torch.float16, seed=13)
     torch.use_deterministic_algorithms(deterministic)
     try:
         out, grads = _fwd_bwd(args, kwargs, "triton")
     finally:
         torch.use_deterministic_algorithms(False)
+    assert chunks == [1] * args[0].shape[0]
     ref_out, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
     assert_close(out, ref_out, torch.float16, "output")
     for name, g, r in zip(NAMES, grads, ref_grads):

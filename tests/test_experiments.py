@@ -86,9 +86,10 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
 
 
 def test_backward_chunks_agree_with_the_whole_batch(capsys):
-    """Forced 1-image chunks give the whole-batch gradients (fp32; up to summation order) in both layouts."""
+    """Forced 1-image chunks give the whole-batch gradients (fp32; up to summation order) in both layouts. (10x12
+    images: large enough against the weight that chunks save memory, see _chunked_weight_bytes.)"""
     chunks = _load("backward_chunks")
-    records = chunks.main(["--shape", "3,16,8,5,6,3,4", "--dtypes", "float32", "--layouts", "nchw", "channels_last",
+    records = chunks.main(["--shape", "3,16,4,10,12,3,4", "--dtypes", "float32", "--layouts", "nchw", "channels_last",
                            "--variants", "whole", "0,1"])
     assert [(r["layout"], r["variant"], r["images_per_chunk"]) for r in records] == [
         ("nchw", "whole", 3), ("nchw", "0,1", 1), ("channels_last", "whole", 3), ("channels_last", "0,1", 1)]

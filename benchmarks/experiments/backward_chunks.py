@@ -77,7 +77,9 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
                 K._TUNED.clear()  # the split is derived when a config is chosen, and kept in the plans
                 K._PLANS.clear()
                 rec = dict(shape=shape_name, dtype=dtype_name, layout=layout, variant=name,
-                           images_per_chunk=K.backward_chunk_images(x, grad_out, True, True, False), batch=x.shape[0])
+                           images_per_chunk=K.backward_chunk_images(x, grad_out, True, True, False,
+                                                                      weight_elems=w.numel()),
+                           batch=x.shape[0])
                 for t in leaves:
                     t.grad = None
                 if device.type == "cuda":

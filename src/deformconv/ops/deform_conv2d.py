@@ -429,7 +429,8 @@ def _split_for(geo: ConvGeometry, tiles: int, block_m: int, device: torch.device
 # kernel (small images: a chunk must still fill the GPU, or it runs at a fraction of its speed). The environment
 # variable DEFORMCONV_WORKSPACE_BUDGET overrides the budget ("inf": the whole batch at once, the fastest), and a
 # budget set there is kept down to one image a chunk, without that floor (the user asked for the memory; small
-# images then run slower: det-s4 +26%, det-s5 +80%, cls-14 +60% fwd+bwd at 1.5 in v7).
+# images then run slower: det-s4 +8%, cls-14 +31% fwd+bwd at 2 in v24), except where chunks would not save memory at
+# all (grad_weight's fp32 sums over them: _chunked_weight_bytes).
 # Measured on the H200 (benchmarks/NOTES.md): det-s3 fp16 NCHW 4.1x -> 1.6x the input for +5% fwd+bwd time.
 WORKSPACE_BUDGET = 1.5
 MIN_CHUNK_PROGRAMS = 512
@@ -487,10 +488,13 @@ def _budget_images(input: Tensor, per_image: int) -> int:
 
 
 def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w: bool, fixed: bool,
-                          grouped: bool = False, concurrent: bool = False) -> int:
+                          grouped: bool = False, concurrent: bool = False, weight_elems: int = 0) -> int:
     """Images per chunk of the backward (the whole batch when the budget allows it, at least 1). grouped: the
     input is read offset-grouped (grouped_input), so it is copied even when it comes channels-last. concurrent:
-    grad_weight's partials exist beside grad_input's accumulator (concurrent_backward) instead of in its place."""
+    grad_weight's partials exist beside grad_input's accumulator (concurrent_backward) instead of in its place.
+    weight_elems: the weight's elements; with need_w, chunks must save more scratch than grad_weight's fp32 sums
+    over them take (_chunked_weight_bytes), else the batch runs whole: measured on the H200 (v24, fp16, budget 2),
+    det-s5 (a 512x512x3x3 weight, 60% of its input's elements) went 4.6x -> 6.1x the input in 4-image chunks."""
     batch = input.shape[0]
     per_image = _backward_bytes_per_image(input, grad_out, need_in, need_w, fixed, grouped, concurrent)
     if batch <= 1 or per_image == 0:
@@ -498,7 +502,20 @@ def backward_chunk_images(input: Tensor, grad_out: Tensor, need_in: bool, need_w
     images = _budget_images(input, per_image)
     if not budget_from_environment():  # the default budget yields to a chunk that fills the GPU
         images = max(images, _ceil_div(MIN_CHUNK_PROGRAMS, _image_tiles(grad_out)))
-    return max(1, min(batch, images))
+    images = max(1, min(batch, images))
+    if need_w and images < batch and (batch - images) * per_image <= _chunked_weight_bytes(input, images, weight_elems):
+        return batch  # chunks would not save memory: grad_weight's sums over them take what they free
+    return images
+
+
+def _chunked_weight_bytes(input: Tensor, images: int, weight_elems: int) -> int:
+    """What grad_weight's fp32 sums over chunks of images hold beyond the chunks' scratch: the running sum and a
+    chunk's summed partials (a weight's size each), and the partials' excess over the SPLIT_PARTIAL_BYTES an input
+    element the scratch counts for them, where _split_for's floor of 4 weights' worth exceeds that (a weight large
+    against a chunk's input: det-s5)."""
+    weight_bytes = 4 * weight_elems
+    counted = images * (input.numel() // max(input.shape[0], 1)) * SPLIT_PARTIAL_BYTES
+    return 2 * weight_bytes + max(0, 4 * weight_bytes - counted)
 
 
 def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_data: bool, need_w: bool, fixed: bool,
@@ -2224,15 +2241,16 @@ def deform_conv2d_backward(
         grouped = grouped_input(geo, segment_length(geo))
         concurrent = concurrent_backward(input, grad_out, need_in, need_in or need_off or need_mask, need_w, fixed_gin,
                                          grouped)
-        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent)
+        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent, weight.numel())
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices: a few microseconds each, so not where the chunk is the batch)
-            part = (lambda t: t) if whole else (lambda t, sl=slice(n0, n0 + step): t[sl])  # noqa: E731
+            chunk = (lambda t: t) if whole else (lambda t, sl=slice(n0, n0 + step): t[sl])  # noqa: E731
             gw, pb = _backward_images(
-                part(grad_out), part(input), part(off), wp, part(msk) if msk is not None else None, stride, padding,
-                dilation, weight, scales, part(grad_in) if need_in else None, part(grad_off) if need_off else None,
-                part(grad_mask) if need_mask else None, need_w, concurrent, whole, need_b and whole)
+                chunk(grad_out), chunk(input), chunk(off), wp, chunk(msk) if msk is not None else None, stride,
+                padding, dilation, weight, scales, chunk(grad_in) if need_in else None,
+                chunk(grad_off) if need_off else None, chunk(grad_mask) if need_mask else None, need_w, concurrent,
+                whole, need_b and whole)
             if not need_w:
                 continue
             if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)
