@@ -63,6 +63,9 @@ def _check_tensor(t: Tensor, name: str, ndim: int, shape_doc: str) -> None:
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
 
 
+# Tensor types treated as plain (no subclass behaviour to respect): the checks' cache below, the eager fast path.
+PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
 # Call signatures that passed the checks, and their geometry: a repeated call (the same shapes, dtypes, devices and
 # integer arguments) skips them. The checks read nothing else, so a signature decides them.
 _VALID: Dict[tuple, ConvGeometry] = {}
@@ -87,7 +90,7 @@ def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair], al
     for t in tensors:
         if t is None:
             key.append(None)
-        elif type(t) is Tensor or type(t) is torch.nn.Parameter:
+        elif type(t) in PLAIN_TENSOR_TYPES:
             key.append((t.shape, t.dtype, t.device))
         else:
             return None

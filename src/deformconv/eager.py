@@ -16,9 +16,9 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from .checks import PLAIN_TENSOR_TYPES
 from .library import _setup_context, backward_impl, forward_impl, input_grads
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 # functorch's check, looked up once (a torch without it: every tensor counts as wrapped, so calls take the op)
 _FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
@@ -37,7 +37,7 @@ def fast_path_ok(tensors: List[Optional[Tensor]], autocasting: bool) -> bool:
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _PLAIN or not (t.is_cuda or t.is_cpu) or _is_functorch_wrapped(t):
+        if type(t) not in PLAIN_TENSOR_TYPES or not (t.is_cuda or t.is_cpu) or _is_functorch_wrapped(t):
             return False
     return True
 

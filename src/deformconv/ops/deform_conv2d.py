@@ -1677,6 +1677,24 @@ def _transpose_blocks(a: int, b: int) -> Tuple[int, int]:
     return block_a, 4096 // block_a
 
 
+def _transpose_tiles(a: int, b: int) -> Tuple[int, int, int, int]:
+    """An [a, b] -> [b, a] pass's (BLOCK_A, BLOCK_B, tiles along a, tiles along b): see _transpose_blocks."""
+    block_a, block_b = _transpose_blocks(a, b)
+    return block_a, block_b, triton.cdiv(a, block_a), triton.cdiv(b, block_b)
+
+
+def _transpose_key(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> tuple:
+    """What a transpose pass's launch is specialised on (beside the device): dtypes, images, sizes, 16-byte
+    alignments, and which extras (zero, sums) it has."""
+    extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
+    return (src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, extras)
+
+
+def _transpose_tensors(src: Tensor, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> List[Tensor]:
+    """A transpose pass's pointer arguments (src, dst, zero, sums): a missing extra falls back to out, never written."""
+    return [src, out, zero if zero is not None else out, sums if sums is not None else out]
+
+
 def _transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor] = None,
                     sums: Optional[Tensor] = None, jobs: Optional[list] = None) -> Tensor:
     """out (viewed [N, b, a]) = src (viewed [N, a, b]) transposed, with out's dtype. zero: a tensor of out's size
@@ -1691,17 +1709,14 @@ def _transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Ten
 def _transpose_one(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor],
                    sums: Optional[Tensor]) -> Tensor:
     """_transpose_last's pass: one _transpose_kernel launch."""
-    extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
-    key = (src.device, src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0,
-           extras)
+    key = (src.device, _transpose_key(src, a, b, out, zero, sums))
     run = _TRANSPOSES.get(key)
     if run is None:
-        block_a, block_b = _transpose_blocks(a, b)
-        grid = (triton.cdiv(a, block_a), triton.cdiv(b, block_b), src.shape[0])
-        run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, grid, (a, b),
+        block_a, block_b, tiles_a, tiles_b = _transpose_tiles(a, b)
+        run = _remember(_TRANSPOSES, key, _Launch(_transpose_kernel, (tiles_a, tiles_b, src.shape[0]), (a, b),
                                                   dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
                                                        BLOCK_B=block_b, num_warps=4)))
-    run(src, out, zero if zero is not None else out, sums if sums is not None else out)
+    run(*_transpose_tensors(src, out, zero, sums))
     return out
 
 
@@ -1723,26 +1738,20 @@ def run_transposes(jobs: list) -> None:
 
 def _transpose_pair(first: tuple, second: tuple) -> None:
     """_transpose_last's two passes (src, a, b, out, zero, sums) in one _transpose_pair_kernel launch."""
-    def key_of(src, a, b, out, zero, sums):
-        extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
-        return (src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, extras)
-
-    key = (first[0].device, key_of(*first), key_of(*second))
+    key = (first[0].device, _transpose_key(*first), _transpose_key(*second))
     run = _TRANSPOSE_PAIRS.get(key)
     if run is None:
         sizes, meta = [], dict(num_warps=4)
         for i, (src, a, b, out, zero, sums) in enumerate((first, second), 1):
-            block_a, block_b = _transpose_blocks(a, b)
-            tiles = (triton.cdiv(a, block_a), triton.cdiv(b, block_b))
-            sizes.append((a, b, *tiles, tiles[0] * tiles[1] * src.shape[0]))
+            block_a, block_b, tiles_a, tiles_b = _transpose_tiles(a, b)
+            sizes.append((a, b, tiles_a, tiles_b, tiles_a * tiles_b * src.shape[0]))
             meta.update({f"ZERO{i}": zero is not None, f"SUM{i}": sums is not None, f"BLOCK_A{i}": block_a,
                          f"BLOCK_B{i}": block_b})
         grid = (sizes[0][4] + sizes[1][4],)
         run = _remember(_TRANSPOSE_PAIRS, key, _Launch(_transpose_pair_kernel, grid, (*sizes[0], *sizes[1][:4]), meta))
-    tensors = []
-    for src, a, b, out, zero, sums in (first, second):
-        tensors += [src, out, zero if zero is not None else out, sums if sums is not None else out]
-    run(*tensors)
+    src1, _, _, out1, zero1, sums1 = first
+    src2, _, _, out2, zero2, sums2 = second
+    run(*_transpose_tensors(src1, out1, zero1, sums1), *_transpose_tensors(src2, out2, zero2, sums2))
 
 
 @functools.lru_cache(maxsize=256)
@@ -1926,10 +1935,9 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
     run = _PACK_AND_TRANSPOSE.get(key)
     if run is None:
         block_o, block_i, taps = _pack_blocks(weight.shape, groups, k_major)
-        block_a, block_b = _transpose_blocks(a, h * w)
+        block_a, block_b, *tiles_ab = _transpose_tiles(a, h * w)
         tiles = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i))
         pack_programs = tiles[0] * tiles[1] * groups
-        tiles_ab = (triton.cdiv(a, block_a), triton.cdiv(h * w, block_b))
         grid = (pack_programs + tiles_ab[0] * tiles_ab[1] * images,)
         args = (cin_g, cout_g, *weight.stride(), a, h * w, *tiles, pack_programs, *tiles_ab)
         meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_A=block_a,
