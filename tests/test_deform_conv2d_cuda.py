@@ -2,6 +2,9 @@
 reference and torchvision, by dtype; poisoned outputs; layouts; int64 indexing; compile/export/autocast;
 deterministic mode; a short training run."""
 
+import math
+import random
+
 import pytest
 import torch
 
@@ -40,6 +43,7 @@ SHAPES = {
     "runs-flat-wide": (3, 64, 256, 12, 18, 3, 3, 1, 1, 1, 1, 1, "random"),
 }
 NAMES = ("input", "offset", "weight", "bias", "mask")
+FUZZ_LAYERS = 32  # random layers of test_random_layers_match_float64_reference
 TF32_REL = 5e-3  # fp32 with TF32 products (10-bit mantissas): bound on the relative error in norm against float64
 
 
@@ -120,6 +124,73 @@ def test_triton_matches_float64_reference(shape, dtype, layout):
         assert (g is None) == (r is None)
         if r is not None:
             assert_close(g, r, dtype, f"grad_{name}")
+
+
+def random_layer(seed):
+    """A random layer configuration (make_case's arguments, plus the dtype, the input's layout and which of input,
+    offset, weight, bias and mask require grad) from a seed: conv and offset groups, kernel sizes, stride, padding
+    and dilation, odd sizes, narrow and wide channel counts, batch 0 now and then, mask and bias or not."""
+    rng = random.Random(seed)
+    groups, offset_groups = rng.choice([1, 1, 1, 2, 3]), rng.choice([1, 1, 2, 3, 4, 8])
+    unit = math.lcm(groups, offset_groups)
+    cin = unit * rng.randint(1, max(1, 160 // unit))
+    cout = groups * (rng.choice([64, 128, 256, 260]) if rng.random() < 0.2 else rng.randint(1, 48))
+    kh, kw = rng.choice([1, 2, 3, 3, 5]), rng.choice([1, 2, 3, 3, 5])
+    stride = (rng.choice([1, 1, 2, 3]), rng.choice([1, 1, 2]))
+    padding = (rng.randint(0, 2), rng.randint(0, 2))
+    dilation = (rng.choice([1, 1, 2]), rng.choice([1, 1, 2]))
+    # the smallest input with one output position, then up to 40 more rows and columns
+    h = max(1, dilation[0] * (kh - 1) + 1 - 2 * padding[0]) + rng.randint(0, 40)
+    w = max(1, dilation[1] * (kw - 1) + 1 - 2 * padding[1]) + rng.randint(0, 40)
+    n = 0 if rng.random() < 0.08 else rng.randint(1, 4)
+    layer = dict(n=n, cin=cin, cout=cout, h=h, w=w, kh=kh, kw=kw, groups=groups, offset_groups=offset_groups,
+                 stride=stride, padding=padding, dilation=dilation, mask=rng.choice(["random", None]),
+                 bias=rng.random() < 0.8)
+    dtype = rng.choice([torch.float32, torch.float16, torch.bfloat16])
+    channels_last = rng.random() < 0.3
+    needs = [rng.random() < 0.7 for _ in NAMES]
+    if not any(needs):
+        needs[rng.randrange(len(NAMES))] = True
+    return layer, dtype, channels_last, needs
+
+
+def _fwd_grads(leaves, kwargs, backend, needs, gout_seed=99):
+    """deform_conv2d's output and the gradients of the leaves that `needs` marks (None for the others), outputs
+    poisoned before each step."""
+    leaves = [None if t is None else t.detach().requires_grad_(bool(need)) for t, need in zip(leaves, needs)]
+    _poison_allocator()
+    out = deformconv.deform_conv2d(*leaves[:4], stride=kwargs["stride"], padding=kwargs["padding"],
+                                   dilation=kwargs["dilation"], mask=leaves[4], backend=backend)
+    wrt = [t for t in leaves if t is not None and t.requires_grad]
+    if not wrt:
+        return out, [None] * len(leaves)
+    gen = torch.Generator(device="cuda").manual_seed(gout_seed)
+    gout = torch.randn(out.shape, generator=gen, device="cuda", dtype=torch.float64).to(out.dtype)
+    _poison_allocator()
+    grads = iter(torch.autograd.grad(out, wrt, gout, allow_unused=True))
+    return out, [next(grads) if t is not None and t.requires_grad else None for t in leaves]
+
+
+@pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(FUZZ_LAYERS)])
+def test_random_layers_match_float64_reference(seed):
+    """Random layers (random_layer) with a random subset of gradients asked for: the output and each gradient asked
+    for against the float64 reference, in the dtype's tolerance; the others are not returned. A sweep over the
+    heuristics' branches (packed segments, the offset-grouped input, per-image and flat tiles, run stores, wide
+    tiles, tap splits, TMA) that the named shapes above pick by hand."""
+    layer, dtype, channels_last, needs = random_layer(seed)
+    bias = layer.pop("bias")
+    args, kwargs = make_case(**layer, dtype=dtype, device="cuda", seed=1000 + seed, bias=bias)
+    x = args[0].contiguous(memory_format=torch.channels_last) if channels_last else args[0]
+    leaves = [x, *args[1:], kwargs["mask"]]
+    out, grads = _fwd_grads(leaves, kwargs, "triton", needs)
+    ref, ref_grads = _fwd_grads([None if t is None else t.double() for t in leaves], kwargs, "reference", needs)
+    what = f"{layer}, {dtype}, channels_last={channels_last}, needs={needs}"
+    assert out.dtype == dtype, what
+    assert_close(out, ref, dtype, f"output of {what}")
+    for name, g, r in zip(NAMES, grads, ref_grads):
+        assert (g is None) == (r is None), f"grad_{name} of {what}"
+        if r is not None:
+            assert_close(g, r, dtype, f"grad_{name} of {what}")
 
 
 @pytest.mark.parametrize("dtype,tf32", [(torch.float16, False), (torch.bfloat16, False), (torch.float32, False),

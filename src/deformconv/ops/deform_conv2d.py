@@ -819,16 +819,25 @@ def _chunk_sample_points(off_ptr, msk_ptr, off_row, msk_row, c_first, seg_ok, ta
 
 
 @triton.jit
-def _tile_positions(pid_m, M, HO, WO, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
-    """M tile pid_m's positions: (valid, image index, l = ho*Wo + wo), the last two int64; see _position_setup."""
-    L = HO * WO
+def _tile_start(pid_m, L, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """M tile pid_m's first position: (image index, l0 = ho*Wo + wo), int32 scalars. PER_IMAGE: cdiv(L, BLOCK_M)
+    tiles an image, none crossing into the next; else M is tiled flat (a tile may end in the next image)."""
     if PER_IMAGE:
         tiles = tl.cdiv(L, BLOCK_M)
-        l32 = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-        n_img = tl.zeros((BLOCK_M,), tl.int64) + (pid_m // tiles).to(tl.int64)
-        return l32 < L, n_img, l32.to(tl.int64)
+        return pid_m // tiles, (pid_m % tiles) * BLOCK_M
+    img = (pid_m * BLOCK_M) // L
+    return img, pid_m * BLOCK_M - img * L
+
+
+@triton.jit
+def _tile_positions(pid_m, M, L, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
+    """M tile pid_m's positions: (valid, image index int64, l = ho*Wo + wo int32), [BM] each; see _position_setup."""
+    if PER_IMAGE:
+        img, l0 = _tile_start(pid_m, L, PER_IMAGE, BLOCK_M)
+        l32 = l0 + tl.arange(0, BLOCK_M)
+        return l32 < L, tl.zeros((BLOCK_M,), tl.int64) + img.to(tl.int64), l32
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    return offs_m < M, (offs_m // L).to(tl.int64), (offs_m % L).to(tl.int64)
+    return offs_m < M, (offs_m // L).to(tl.int64), offs_m % L
 
 
 @triton.jit
@@ -841,9 +850,9 @@ def _position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_
     4 instead of 132 div/rem per thread); else M is tiled flat."""
     L = HO * WO
     if PER_IMAGE:
-        tiles = tl.cdiv(L, BLOCK_M)
-        img = (pid_m // tiles).to(tl.int64)
-        l32 = (pid_m % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+        img, l0 = _tile_start(pid_m, L, PER_IMAGE, BLOCK_M)
+        img = img.to(tl.int64)
+        l32 = l0 + tl.arange(0, BLOCK_M)
         m_valid = l32 < L
         n_img = tl.zeros((BLOCK_M,), tl.int64) + img
         l = l32.to(tl.int64)
@@ -1088,20 +1097,14 @@ def _deform_conv2d_fwd_kernel(
         # an NCHW output (out_sl == 1), and a whole tile inside one image: its positions are the run l0 .. l0 +
         # BLOCK_M - 1 of each channel plane, stored without a position mask and with the runs' alignment (a multiple
         # of RUN_STORE, as Ho*Wo and BLOCK_M are) stated, so that Triton vectorises the stores along them
-        if PER_IMAGE:
-            tiles = tl.cdiv(L, BLOCK_M)
-            img0 = pid_m // tiles
-            l0 = (pid_m % tiles) * BLOCK_M
-        else:
-            img0 = (pid_m * BLOCK_M) // L
-            l0 = pid_m * BLOCK_M - img0 * L
+        img0, l0 = _tile_start(pid_m, L, PER_IMAGE, BLOCK_M)
         if l0 + BLOCK_M <= L:
             start = tl.multiple_of(img0.to(tl.int64) * out_sn + l0, RUN_STORE)
             planes = tl.multiple_of(co.to(tl.int64) * out_sc, RUN_STORE)
             tl.store(out_ptr + (start + tl.arange(0, BLOCK_M))[:, None] + planes[None, :], val, mask=n_ok[None, :])
         else:  # the image's last tile, or (flat tiles) one across two images: positions recomputed here
-            m_valid, n_img, l = _tile_positions(pid_m, M, HO, WO, PER_IMAGE, BLOCK_M)
-            tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val,
+            m_valid, n_img, l32 = _tile_positions(pid_m, M, L, PER_IMAGE, BLOCK_M)
+            tl.store(out_ptr + (n_img * out_sn + l32.to(tl.int64) * out_sl)[:, None] + cols, val,
                      mask=m_valid[:, None] & n_ok[None, :])
     else:
         tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val, mask=m_valid[:, None] & n_ok[None, :])
@@ -1133,8 +1136,8 @@ def _grad_out_tile(go_ptr, tile, col, L, PER_IMAGE: tl.constexpr, BLOCK_M: tl.co
     TMA descriptor go_ptr: [N, Ho*Wo, Cout] in blocks [1, BM, BN] for PER_IMAGE tiles, else [M, Cout] in blocks
     [BM, BN]. Rows past an image or past M read zeros."""
     if PER_IMAGE:
-        tiles = tl.cdiv(L, BLOCK_M)
-        return tl.reshape(go_ptr.load([tile // tiles, (tile % tiles) * BLOCK_M, col]), (BLOCK_M, BLOCK_N))
+        img, l0 = _tile_start(tile, L, PER_IMAGE, BLOCK_M)
+        return tl.reshape(go_ptr.load([img, l0, col]), (BLOCK_M, BLOCK_N))
     else:
         return go_ptr.load([tile * BLOCK_M, col])
 
@@ -1343,16 +1346,8 @@ def _grad_bias_rows(go_ptr, gb_ptr, gc, pid_n, pid_s, M, HO, WO, COUT_G, COUT, S
         if TMA:
             go = _grad_out_tile(go_ptr, mb, gc * COUT_G + pid_n * BLOCK_N, L, PER_IMAGE, BLOCK_M, BLOCK_N)
         else:
-            if PER_IMAGE:
-                tiles = tl.cdiv(L, BLOCK_M)
-                n_img = (mb // tiles).to(tl.int64)
-                l32 = (mb % tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_valid = l32 < L
-                row = n_img * go_sn + l32.to(tl.int64) * go_sl
-            else:
-                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-                m_valid = offs_m < M
-                row = (offs_m // L).to(tl.int64) * go_sn + (offs_m % L).to(tl.int64) * go_sl
+            m_valid, n_img, l32 = _tile_positions(mb, M, L, PER_IMAGE, BLOCK_M)
+            row = n_img * go_sn + l32.to(tl.int64) * go_sl
             cols = (gc * COUT_G + offs_n).to(tl.int64) * go_sc
             go = tl.load(go_ptr + row[:, None] + cols[None, :], mask=m_valid[:, None] & n_ok[None, :], other=0.0)
         acc += tl.sum(go.to(tl.float32), axis=0)
