@@ -129,7 +129,8 @@ def test_triton_matches_float64_reference(shape, dtype, layout):
 def random_layer(seed):
     """A random layer configuration (make_case's arguments, plus the dtype, the input's layout and which of input,
     offset, weight, bias and mask require grad) from a seed: conv and offset groups, kernel sizes, stride, padding
-    and dilation, odd sizes, narrow and wide channel counts, batch 0 now and then, mask and bias or not."""
+    and dilation, odd sizes, narrow and wide channel counts, batch 0 now and then, mask and bias or not. The GPU's
+    counterpart of test_deform_conv2d._random_config, whose layers are tiny for Triton's CPU interpreter."""
     rng = random.Random(seed)
     groups, offset_groups = rng.choice([1, 1, 1, 2, 3]), rng.choice([1, 1, 2, 3, 4, 8])
     unit = math.lcm(groups, offset_groups)
