@@ -175,7 +175,8 @@ def _fwd_grads(leaves, kwargs, backend, needs, gout_seed=99):
 @pytest.mark.parametrize("seed", [pytest.param(s, id=f"seed{s}") for s in range(FUZZ_LAYERS)])
 def test_random_layers_match_float64_reference(seed):
     """Random layers (random_layer) with a random subset of gradients asked for: the output and each gradient asked
-    for against the float64 reference, in the dtype's tolerance; the others are not returned. A sweep over the
+    for against the float64 reference, in the dtype's tolerance (none missing: autograd.grad may return None for an
+    unused input here, so a gradient the backward failed to give would show). A sweep over the
     heuristics' branches (packed segments, the offset-grouped input, per-image and flat tiles, run stores, wide
     tiles, tap splits, TMA) that the named shapes above pick by hand."""
     layer, dtype, channels_last, needs = random_layer(seed)
