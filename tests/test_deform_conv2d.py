@@ -408,20 +408,24 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("split", [1, 3], ids=["split-1-channel-sum", "split-3-bias-fused"])
+@pytest.mark.parametrize("split,per_image", [(1, None), (3, True), (3, False)],
+                         ids=["split-1-channel-sum", "split-3-bias-fused-tiles-per-image", "split-3-bias-fused-tiles-flat"])
 @pytest.mark.parametrize("config,weight_layout", [("3x3-pad1", "contiguous"), ("3x3-pad1", "channels_last"),
                                                   ("zero-mask-no-bias", "contiguous"),
                                                   ("groups2-og4-packed-tail", "channels_last")],
                          ids=["3x3-pad1", "3x3-pad1-channels-last-weight", "zero-mask-no-bias",
                               "groups2-og4-packed-tail-channels-last-weight"])
-def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, weight_layout, config, monkeypatch):
+def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, weight_layout, config, monkeypatch):
     """In a one-chunk backward whose grad_weight is split (fused_bias) the grad_weight kernel also sums grad_bias, in
     extra programs, into fp32 partials summed after, and no separate channel sum runs; with split 1 the channel sum
-    does. Both give the oracle's gradients, with either weight layout (grad_weight comes back in the weight's)."""
+    does. Both give the oracle's gradients, with either weight layout (grad_weight comes back in the weight's); the
+    fused sums with M tiles per image and flat (per_image: forced for every kernel; None: the heuristic's)."""
     import dataclasses
 
     from deformconv.ops import deform_conv2d as kernels
 
+    if per_image is not None:
+        monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
     real = kernels._bwd_weight_candidates
     monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
     monkeypatch.setattr(kernels, "_PLANS", {})
