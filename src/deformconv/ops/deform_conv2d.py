@@ -1467,6 +1467,12 @@ def _deform_conv2d_bwd_weight_kernel(
 
 
 @triton.jit
+def _tile_of(t, TILES_X, TILES_Y):
+    """A flat program index t of a fused layout launch as its (x tile, y tile, z int64): x fastest, then y."""
+    return t % TILES_X, (t // TILES_X) % TILES_Y, (t // (TILES_X * TILES_Y)).to(tl.int64)
+
+
+@triton.jit
 def _transpose_tile(src_ptr, dst_ptr, zero_ptr, sum_ptr, A, B, pid_a, pid_b, n, tiles_b,
                     ZERO: tl.constexpr, SUM: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr):
     """_transpose_kernel's tile (pid_a, pid_b) of image n (int64); tiles_b: the B tiles an image."""
@@ -1513,12 +1519,13 @@ def _transpose_pair_kernel(
     do the first (PROGRAMS1 = TILES_A1 * TILES_B1 * its images), the rest the second. Grid: (all programs,)."""
     pid = tl.program_id(0)
     if pid < PROGRAMS1:
-        _transpose_tile(src1_ptr, dst1_ptr, zero1_ptr, sum1_ptr, A1, B1, pid % TILES_A1, (pid // TILES_A1) % TILES_B1,
-                        (pid // (TILES_A1 * TILES_B1)).to(tl.int64), TILES_B1, ZERO1, SUM1, BLOCK_A1, BLOCK_B1)
+        pid_a, pid_b, n = _tile_of(pid, TILES_A1, TILES_B1)
+        _transpose_tile(src1_ptr, dst1_ptr, zero1_ptr, sum1_ptr, A1, B1, pid_a, pid_b, n, TILES_B1, ZERO1, SUM1,
+                        BLOCK_A1, BLOCK_B1)
     else:
-        t = pid - PROGRAMS1
-        _transpose_tile(src2_ptr, dst2_ptr, zero2_ptr, sum2_ptr, A2, B2, t % TILES_A2, (t // TILES_A2) % TILES_B2,
-                        (t // (TILES_A2 * TILES_B2)).to(tl.int64), TILES_B2, ZERO2, SUM2, BLOCK_A2, BLOCK_B2)
+        pid_a, pid_b, n = _tile_of(pid - PROGRAMS1, TILES_A2, TILES_B2)
+        _transpose_tile(src2_ptr, dst2_ptr, zero2_ptr, sum2_ptr, A2, B2, pid_a, pid_b, n, TILES_B2, ZERO2, SUM2,
+                        BLOCK_A2, BLOCK_B2)
 
 
 @triton.jit
@@ -1576,13 +1583,13 @@ def _pack_and_transpose_kernel(
     transpose instead of after it. Grid: (PACK_PROGRAMS + TILES_A * TILES_B * images,)."""
     pid = tl.program_id(0)
     if pid < PACK_PROGRAMS:
-        _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, pid % TILES_O,
-                          (pid // TILES_O) % TILES_I, (pid // (TILES_O * TILES_I)).to(tl.int64),
-                          KH, KW, K_MAJOR, TAPS, BLOCK_O, BLOCK_I)
+        pid_o, pid_i, g = _tile_of(pid, TILES_O, TILES_I)
+        _pack_weight_tile(w_ptr, wp_ptr, CIN_G, COUT_G, w_so, w_si, w_sh, w_sw, pid_o, pid_i, g, KH, KW, K_MAJOR, TAPS,
+                          BLOCK_O, BLOCK_I)
     else:
-        t = pid - PACK_PROGRAMS
-        _transpose_tile(src_ptr, dst_ptr, dst_ptr, dst_ptr, A, B, t % TILES_A, (t // TILES_A) % TILES_B,
-                        (t // (TILES_A * TILES_B)).to(tl.int64), TILES_B, False, False, BLOCK_A, BLOCK_B)
+        pid_a, pid_b, n = _tile_of(pid - PACK_PROGRAMS, TILES_A, TILES_B)
+        _transpose_tile(src_ptr, dst_ptr, dst_ptr, dst_ptr, A, B, pid_a, pid_b, n, TILES_B, False, False, BLOCK_A,
+                        BLOCK_B)
 
 
 @triton.jit
