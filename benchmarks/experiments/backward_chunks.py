@@ -72,16 +72,14 @@ def run(shapes: dict, dtypes: List[str], layouts: List[str], variants: List[str]
 
             input_bytes = x.numel() * x.element_size()
             geo = K.geometry_from_tensors(x, off, w, stride, padding, dilation)
-            grouped = K.grouped_input(geo, K.segment_length(geo))  # the input copied offset-grouped, as the backward
             reference = None
             for name, setting in settings.items():
                 K.WORKSPACE_BUDGET, K.MIN_CHUNK_PROGRAMS, K.SPLIT_PARTIAL_BYTES = setting
                 K._TUNED.clear()  # the split is derived when a config is chosen, and kept in the plans
                 K._PLANS.clear()
                 rec = dict(shape=shape_name, dtype=dtype_name, layout=layout, variant=name,
-                           images_per_chunk=K.backward_chunk_images(
-                               x, grad_out, True, True, False, grouped,
-                               K.concurrent_backward(x, grad_out, True, True, True, False, grouped), w.numel()),
+                           images_per_chunk=K.backward_schedule(x, grad_out, geo, w.numel(), True, True, True,
+                                                                False)[1],
                            batch=x.shape[0])
                 for t in leaves:
                     t.grad = None

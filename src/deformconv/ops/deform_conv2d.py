@@ -538,6 +538,15 @@ def concurrent_backward(input: Tensor, grad_out: Tensor, need_in: bool, need_dat
     return _budget_images(input, per_image) >= batch
 
 
+def backward_schedule(input: Tensor, grad_out: Tensor, geo: ConvGeometry, weight_elems: int, need_in: bool,
+                      need_data: bool, need_w: bool, fixed: bool) -> Tuple[bool, int]:
+    """A backward's (concurrent_backward, images per chunk: backward_chunk_images), with the input's copy
+    offset-grouped where the kernels read it so (grouped_input)."""
+    grouped = grouped_input(geo, segment_length(geo))
+    concurrent = concurrent_backward(input, grad_out, need_in, need_data, need_w, fixed, grouped)
+    return concurrent, backward_chunk_images(input, grad_out, need_in, need_w, fixed, grouped, concurrent, weight_elems)
+
+
 def fused_bias(need_b: bool, split: int) -> bool:
     """Whether the grad_weight kernel sums grad_bias too (GROUPS more rows of programs, _grad_bias_rows), where the
     backward is one chunk and grad_out comes channels-last (an NCHW grad_out's transpose pass sums it: _nhwc_summed):
@@ -2248,10 +2257,8 @@ def deform_conv2d_backward(
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-        grouped = grouped_input(geo, segment_length(geo))
-        concurrent = concurrent_backward(input, grad_out, need_in, need_in or need_off or need_mask, need_w, fixed_gin,
-                                         grouped)
-        step = backward_chunk_images(input, grad_out, need_in, need_w, fixed_gin, grouped, concurrent, weight.numel())
+        concurrent, step = backward_schedule(input, grad_out, geo, weight.numel(), need_in,
+                                             need_in or need_off or need_mask, need_w, fixed_gin)
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices: a few microseconds each, so not where the chunk is the batch)
