@@ -149,3 +149,28 @@ def test_atomic_ceiling_sums_exactly(capsys):
                             "--tiles", "8,8,4", "16,16,4"])
     assert len(records) == 6 and all(r["max_rel_err"] == 0.0 for r in records)
     assert "| pattern |" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("variant", ["64x256x64:4:4:2:4:128:16cp", "64x256x32:4:8:3:8:96:16c"])
+def test_gluon_forward_builds_for_hopper(variant):
+    """The warp-specialised Gluon prototype (runs on an H200 only) still builds for sm_90 with this Triton, without a
+    GPU: its partitions' warps add up, the consumer issues wgmma, the gather warps start the weight's TMA loads, and
+    the partitions get their register budgets (setmaxnreg)."""
+    pytest.importorskip("triton.experimental.gluon.language.nvidia.hopper")
+    gluon_forward = _load("gluon_forward")
+    kv = gluon_forward.parse_variant(variant)
+    kernel = gluon_forward.compile_sm90(variant)
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.num_warps == kv["consumer_warps"] + kv["npart"] * kv["gather_warps"]
+    for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
+        assert instruction in ptx, instruction
+
+
+def test_gluon_forward_variant_names():
+    gluon_forward = _load("gluon_forward")
+    kv = gluon_forward.parse_variant("64x256x32:4:8:3:8:96:16cpg")
+    assert (kv["block_m"], kv["block_n"], kv["block_k"], kv["gather_warps"], kv["stages"]) == (64, 256, 32, 4, 8)
+    assert (kv["npart"], kv["consumer_warps"], kv["gather_regs"]) == (3, 8, 96)
+    assert kv["blend16"] and kv["chunk_major"] and kv["persistent"] == gluon_forward.SMS and kv["part_only"] == 1
+    plain = gluon_forward.parse_variant("64x256x64:8:3")
+    assert (plain["npart"], plain["consumer_warps"], plain["blend16"], plain["persistent"]) == (1, 4, False, 0)
