@@ -49,11 +49,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
-def _consumer(a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps,
-              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PART_ONLY: gl.constexpr):
+def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PART_ONLY: gl.constexpr):
     """Per tile: acc [BM, BN] fp32 = sum over the steps of A[s] @ B[s] (one wgmma group stays in flight; a stage is
     handed back, empty, once the wgmma that read it has finished); then bias and the NHWC store. PART_ONLY 1 (a
     measurement, wrong results): no wgmma, the stages handed straight back (the gathers alone)."""
+    a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps = run
     WM: gl.constexpr = min(gl.num_warps(), BLOCK_M // 16)  # warps along M (16 rows each), the rest split N
     WN: gl.constexpr = gl.num_warps() // WM
     layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WM, WN],
@@ -88,9 +88,7 @@ def _consumer(a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, 
 
 
 @gluon.jit
-def _gather(x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-            H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW,
-            KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _gather(run, KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr, NPART: gl.constexpr,
             BLEND16: gl.constexpr, CHUNK_MAJOR: gl.constexpr, PART_ONLY: gl.constexpr):
     """A gather partition (one of NPART; of each tile's steps j = 0 .. KH*KW*(C // BK) - 1 it takes those with
@@ -98,6 +96,8 @@ def _gather(x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, e
     packed [KH*KW*Cin, Cout] weight; b_ready counts its bytes), then gathers and blends the A tile (in fp32, or with
     BLEND16 in the input's dtype) and signals a_ready. PART_ONLY 2 (a measurement, wrong results): no sampling and no
     corner loads, the A stage signalled as it is (the weight's TMA and the wgmma alone)."""
+    x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles = run[:11]
+    H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW = run[11:]
     # --- layout: rows are output positions, columns a chunk of BK channels (8 a thread: 16-byte loads) ---
     TK: gl.constexpr = BLOCK_K // 8  # threads along a row of the tile
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TK, TK], [gl.num_warps(), 1], [1, 0])
@@ -200,41 +200,30 @@ def _deform_fwd_ws_kernel(
         mbarrier.init(b_ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
     n_steps = KH * KW * (C // BLOCK_K)
-    # one literal list per partition count (warp_specialize takes a list written out)
+    # the partitions' runtime arguments as tuples, their constexprs written into each list (argument tuples joined
+    # with + lost them: a plain int that warp_specialize cannot pass on); one list per partition count
+    crun = (a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps)
+    grun = (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
+            H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW)
     if NPART == 1:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps,
-                         BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1, BLEND16, CHUNK_MAJOR, PART_ONLY)),
         ], [GATHER_WARPS], [GATHER_REGS])
     elif NPART == 2:
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps,
-                         BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
-        ], [GATHER_WARPS, GATHER_WARPS], [GATHER_REGS, GATHER_REGS])
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+        ], [GATHER_WARPS] * 2, [GATHER_REGS] * 2)
     else:
         gl.static_assert(NPART == 3, "1 to 3 gather partitions")
         gl.warp_specialize([
-            (_consumer, (a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps,
-                         BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
-                       H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 2, NPART,
-                       BLEND16, CHUNK_MAJOR, PART_ONLY)),
-        ], [GATHER_WARPS, GATHER_WARPS, GATHER_WARPS], [GATHER_REGS, GATHER_REGS, GATHER_REGS])
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 2, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+        ], [GATHER_WARPS] * 3, [GATHER_REGS] * 3)
 
 
 # --- launcher --------------------------------------------------------------------------------------------------
