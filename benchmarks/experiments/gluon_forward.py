@@ -49,9 +49,11 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 
 @gluon.jit
-def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PART_ONLY: gl.constexpr):
+def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PART_ONLY: gl.constexpr,
+              HALF: gl.constexpr, NSPLIT: gl.constexpr):
     """Per tile: acc [BM, BN] fp32 = sum over the steps of A[s] @ B[s] (one wgmma group stays in flight; a stage is
-    handed back, empty, once the wgmma that read it has finished); then bias and the NHWC store. PART_ONLY 1 (a
+    handed back, empty, once the wgmma that read it has finished); then bias and the NHWC store. With NSPLIT 2 two
+    consumers share each A tile, this one (HALF) taking columns HALF*BN .. of the tile's 2*BN. PART_ONLY 1 (a
     measurement, wrong results): no wgmma, the stages handed straight back (the gathers alone)."""
     a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps = run
     WM: gl.constexpr = min(gl.num_warps(), BLOCK_M // 16)  # warps along M (16 rows each), the rest split N
@@ -69,8 +71,9 @@ def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.cons
             mbarrier.wait(a_ready.index(s), phase)
             mbarrier.wait(b_ready.index(s), phase)
             if PART_ONLY != 1:
-                acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s), acc, is_async=True)
-                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), b_bufs.index(s)))
+                b = b_bufs.index(s * NSPLIT + HALF)
+                acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+                acc, _, _ = warpgroup_mma_wait(1, deps=(acc, a_bufs.index(s), b))
             # the previous step's wgmma is done: its stage may be refilled
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), pred=j > 0)
         acc = warpgroup_mma_wait(0, deps=(acc,))
@@ -79,7 +82,7 @@ def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.cons
         # --- epilogue: bias, NHWC store (the gather warps are already on the next tile) ---
         val = gl.convert_layout(acc, out_l)
         rows = (tile % m_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
-        cols = (tile // m_tiles) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
+        cols = ((tile // m_tiles) * NSPLIT + HALF) * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
         col_ok = cols < COUT
         val = val + gl.load(b_ptr + cols, mask=col_ok, other=0.0).to(gl.float32)[None, :]
         gl.store(out_ptr + rows.to(gl.int64)[:, None] * COUT + cols[None, :], val.to(out_ptr.dtype.element_ty),
@@ -90,11 +93,11 @@ def _consumer(run, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.cons
 @gluon.jit
 def _gather(run, KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
             BLOCK_K: gl.constexpr, STAGES: gl.constexpr, PART: gl.constexpr, NPART: gl.constexpr,
-            BLEND16: gl.constexpr, CHUNK_MAJOR: gl.constexpr, PART_ONLY: gl.constexpr):
+            BLEND16: gl.constexpr, CHUNK_MAJOR: gl.constexpr, PART_ONLY: gl.constexpr, NSPLIT: gl.constexpr):
     """A gather partition (one of NPART; of each tile's steps j = 0 .. KH*KW*(C // BK) - 1 it takes those with
     j % NPART == PART): once a step's stage is free, starts the weight tile's TMA load (rows tap*Cin + c0 .. of the
-    packed [KH*KW*Cin, Cout] weight; b_ready counts its bytes), then gathers and blends the A tile (in fp32, or with
-    BLEND16 in the input's dtype) and signals a_ready. PART_ONLY 2 (a measurement, wrong results): no sampling and no
+    packed [KH*KW*Cin, Cout] weight, NSPLIT blocks of BN columns; b_ready counts their bytes), then gathers and
+    blends the A tile (in fp32, or with BLEND16 in the input's dtype) and signals a_ready. PART_ONLY 2 (a measurement, wrong results): no sampling and no
     corner loads, the A stage signalled as it is (the weight's TMA and the wgmma alone)."""
     x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles = run[:11]
     H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW = run[11:]
@@ -111,7 +114,7 @@ def _gather(run, KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
     for tile in range(gl.program_id(0), n_tiles, gl.num_programs(0)):
         # --- the tile's rows: image, position ---
         offs_m = (tile % m_tiles) * BLOCK_M + gl.arange(0, BLOCK_M, layout=rows_l)
-        n0 = (tile // m_tiles) * BLOCK_N
+        n0 = (tile // m_tiles) * BLOCK_N * NSPLIT
         m_ok = offs_m < M
         n_img = offs_m // L
         l = offs_m % L
@@ -130,8 +133,10 @@ def _gather(run, KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOC
             i = g + j
             s = i % STAGES
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(b_ready.index(s), w_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [tap * C + c0, n0], b_ready.index(s), b_bufs.index(s))
+            mbarrier.expect(b_ready.index(s), NSPLIT * w_desc.block_type.nbytes)
+            for h in gl.static_range(NSPLIT):
+                tma.async_copy_global_to_shared(w_desc, [tap * C + c0, n0 + h * BLOCK_N], b_ready.index(s),
+                                                b_bufs.index(s * NSPLIT + h))
             if PART_ONLY != 2:
                 # --- the tap's sample point per row: (dy, dx) offsets, mask, 4 corners and their weights ---
                 dy = gl.load(off_ptr + off_row + (2 * tap) * L, mask=m_ok, other=0.0).to(gl.float32)
@@ -183,46 +188,56 @@ def _deform_fwd_ws_kernel(
     H, W, C, HO, WO, M, COUT, SH, SW, PH, PW, DH, DW, m_tiles, n_tiles,
     KH: gl.constexpr, KW: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, GATHER_WARPS: gl.constexpr, GATHER_REGS: gl.constexpr, NPART: gl.constexpr,
-    BLEND16: gl.constexpr, CHUNK_MAJOR: gl.constexpr, PART_ONLY: gl.constexpr = 0,
+    BLEND16: gl.constexpr, CHUNK_MAJOR: gl.constexpr, PART_ONLY: gl.constexpr = 0, NSPLIT: gl.constexpr = 1,
+    CONSUMER_REGS: gl.constexpr = 0,
 ):
     """out [M, Cout] (NHWC) = deformable conv of x [N, H, W, C] (NHWC) with offsets [N, 2*KH*KW, Ho, Wo], mask
     [N, KH*KW, Ho, Wo] and the packed weight [KH*KW*C, Cout] (w_desc, blocks [BK, BN]), plus bias. Tiles: m_tiles
-    of BM output positions times Cout / BN; a program takes tiles program_id, program_id + programs, ..."""
+    of BM output positions times Cout / (NSPLIT*BN); a program takes tiles program_id, program_id + programs, ...
+    With NSPLIT 2 a second consumer partition (num_warps warps, CONSUMER_REGS registers) takes the tile's second BN
+    columns: the tile is 2*BN wide and gathered once (one gather partition)."""
     a_layout: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=min(2 * BLOCK_K, 128), element_bitwidth=16,
                                                   rank=2)
     a_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_K, BLOCK_N], w_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES * NSPLIT, BLOCK_K, BLOCK_N], w_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(s), count=1)
         mbarrier.init(b_ready.index(s), count=1)
-        mbarrier.init(empty.index(s), count=1)
+        mbarrier.init(empty.index(s), count=NSPLIT)
     n_steps = KH * KW * (C // BLOCK_K)
     # the partitions' runtime arguments as tuples, their constexprs written into each list (argument tuples joined
     # with + lost them: a plain int that warp_specialize cannot pass on); one list per partition count
     crun = (a_bufs, b_bufs, a_ready, b_ready, empty, b_ptr, out_ptr, M, COUT, m_tiles, n_tiles, n_steps)
     grun = (x_ptr, off_ptr, msk_ptr, w_desc, a_bufs, b_bufs, a_ready, b_ready, empty, m_tiles, n_tiles,
             H, W, C, HO, WO, M, SH, SW, PH, PW, DH, DW)
-    if NPART == 1:
+    if NSPLIT == 2:
+        gl.static_assert(NPART == 1, "two consumers leave room for one gather partition")
         gl.warp_specialize([
-            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY, 0, 2)),
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY, 1, 2)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1, BLEND16, CHUNK_MAJOR, PART_ONLY, 2)),
+        ], [gl.num_warps(), GATHER_WARPS], [CONSUMER_REGS, GATHER_REGS])
+    elif NPART == 1:
+        gl.warp_specialize([
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY, 0, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 1, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
         ], [GATHER_WARPS], [GATHER_REGS])
     elif NPART == 2:
         gl.warp_specialize([
-            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2, BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY, 0, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 2, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 2, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
         ], [GATHER_WARPS] * 2, [GATHER_REGS] * 2)
     else:
         gl.static_assert(NPART == 3, "1 to 3 gather partitions")
         gl.warp_specialize([
-            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
-            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 2, 3, BLEND16, CHUNK_MAJOR, PART_ONLY)),
+            (_consumer, (crun, BLOCK_M, BLOCK_N, STAGES, PART_ONLY, 0, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 0, 3, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 1, 3, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
+            (_gather, (grun, KH, KW, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, 2, 3, BLEND16, CHUNK_MAJOR, PART_ONLY, 1)),
         ], [GATHER_WARPS] * 3, [GATHER_REGS] * 3)
 
 
@@ -237,9 +252,10 @@ def packed_weight(weight):
 
 def forward(x_nhwc, offset, mask, wp, bias, kh, kw, stride=1, padding=1, dilation=1, block_m=64, block_n=256,
             block_k=64, stages=4, gather_warps=4, gather_regs=128, consumer_warps=4, out=None, npart=2, blend16=True,
-            chunk_major=True, persistent=0, part_only=0):
+            chunk_major=True, persistent=0, part_only=0, nsplit=1, consumer_regs=0):
     """x_nhwc [N, H, W, C] (a contiguous NHWC view), offset [N, 2*kh*kw, Ho, Wo], mask [N, kh*kw, Ho, Wo], wp the
-    packed weight [kh*kw*C, Cout] (packed_weight), bias [Cout]; returns out [N, Ho, Wo, Cout] (NHWC)."""
+    packed weight [kh*kw*C, Cout] (packed_weight), bias [Cout]; returns out [N, Ho, Wo, Cout] (NHWC). block_n is the
+    tile's width: with nsplit 2, two consumers take half of it each."""
     n, h, w, c = x_nhwc.shape
     cout = wp.shape[1]
     ho = (h + 2 * padding - dilation * (kh - 1) - 1) // stride + 1
@@ -249,14 +265,14 @@ def forward(x_nhwc, offset, mask, wp, bias, kh, kw, stride=1, padding=1, dilatio
     if out is None:
         out = torch.empty((n, ho, wo, cout), dtype=x_nhwc.dtype, device=x_nhwc.device)
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    w_desc = TensorDescriptor(wp, list(wp.shape), list(wp.stride()), [block_k, block_n], layout)
+    w_desc = TensorDescriptor(wp, list(wp.shape), list(wp.stride()), [block_k, block_n // nsplit], layout)
     m_tiles = triton.cdiv(m, block_m)
     n_tiles = m_tiles * triton.cdiv(cout, block_n)
     grid = (min(n_tiles, persistent) if persistent else n_tiles,)
     _deform_fwd_ws_kernel[grid](x_nhwc, offset, mask, w_desc, bias, out, h, w, c, ho, wo, m, cout,
                                 stride, stride, padding, padding, dilation, dilation, m_tiles, n_tiles,
-                                kh, kw, block_m, block_n, block_k, stages, gather_warps, gather_regs, npart, blend16,
-                                chunk_major, part_only, num_warps=consumer_warps)
+                                kh, kw, block_m, block_n // nsplit, block_k, stages, gather_warps, gather_regs, npart,
+                                blend16, chunk_major, part_only, nsplit, consumer_regs, num_warps=consumer_warps)
     return out
 
 
@@ -268,8 +284,9 @@ SMS = 132  # the H200's multiprocessors (the persistent grid)
 def parse_variant(v: str) -> dict:
     """'BMxBNxBK:gather warps:stages[:gather partitions[:consumer warps[:gather registers[:flags]]]]'; flags: '16'
     blends in the input's dtype, 'c' takes the steps chunk-major (all taps of a chunk of channels in turn), 'p' makes
-    the grid persistent (one program a multiprocessor); 'g' times the gathers alone, 'm' the weight loads and wgmma
-    alone (measurements: wrong results, not checked)."""
+    the grid persistent (one program a multiprocessor), 's' splits the tile's BN columns over two consumer
+    partitions (one gather partition; the second consumer gets what the gathers leave of the registers); 'g' times
+    the gathers alone, 'm' the weight loads and wgmma alone (measurements: wrong results, not checked)."""
     f = v.split(":")
     bm, bn, bk = (int(t) for t in f[0].split("x"))
     gw, st = int(f[1]), int(f[2])
@@ -279,7 +296,8 @@ def parse_variant(v: str) -> dict:
     return dict(block_m=bm, block_n=bn, block_k=bk, stages=st, gather_warps=gw, npart=npart, consumer_warps=cw,
                 gather_regs=regs, blend16=len(f) > 6 and "16" in f[6], chunk_major=len(f) > 6 and "c" in f[6],
                 persistent=SMS if len(f) > 6 and "p" in f[6] else 0,
-                part_only=(1 if "g" in f[6] else 2 if "m" in f[6] else 0) if len(f) > 6 else 0)
+                part_only=(1 if "g" in f[6] else 2 if "m" in f[6] else 0) if len(f) > 6 else 0,
+                nsplit=2 if len(f) > 6 and "s" in f[6] else 1, consumer_regs=(512 - regs) // 2 // 8 * 8)
 
 
 def compile_sm90(variant: str, c: int = 256, cout: int = 256):
@@ -293,11 +311,13 @@ def compile_sm90(variant: str, c: int = 256, cout: int = 256):
     h, w, n = 50, 76, 8
     m = n * h * w
     tiles = triton.cdiv(m, kv["block_m"]) * triton.cdiv(cout, kv["block_n"])
+    kv["block_n"] //= kv["nsplit"]  # the kernel's BLOCK_N: one consumer's columns
     ints = dict(H=h, W=w, C=c, HO=h, WO=w, M=m, COUT=cout, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                 m_tiles=triton.cdiv(m, kv["block_m"]), n_tiles=tiles)
     const = dict(KH=3, KW=3, BLOCK_M=kv["block_m"], BLOCK_N=kv["block_n"], BLOCK_K=kv["block_k"],
                  STAGES=kv["stages"], GATHER_WARPS=kv["gather_warps"], GATHER_REGS=kv["gather_regs"],
-                 NPART=kv["npart"], BLEND16=kv["blend16"], CHUNK_MAJOR=kv["chunk_major"], PART_ONLY=kv["part_only"])
+                 NPART=kv["npart"], BLEND16=kv["blend16"], CHUNK_MAJOR=kv["chunk_major"], PART_ONLY=kv["part_only"],
+                 NSPLIT=kv["nsplit"], CONSUMER_REGS=kv["consumer_regs"])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
