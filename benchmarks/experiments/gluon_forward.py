@@ -8,7 +8,8 @@ benchmarks/results/h200-gluon-forward.json): it reaches parity, not more. The be
 product at det-s4, 1.01-1.03x at det-s5 and 0.99x at cls-14 (channels-last tensors, CUDA graph). Timed apart, the
 gathers alone take 78-86% of the whole kernel's time, and the weight loads with the wgmma alone 37-49%. So the
 forward is bound by its gathers (det-s4: 560 MB of corner loads in 0.124 ms), and overlapping the two cannot take it
-far below the gathers' own time.
+far below the gathers' own time. Their rate follows the loads in flight: det-s5 in 512-wide tiles gathers half the
+bytes, but two accumulators leave registers for 4 gather warps only, and it ran at 1.12x.
 
 Scope (a prototype, not a backend): 16-bit NHWC input, groups = offset groups = 1, Cin a multiple of BLOCK_K, a mask,
 finite offsets, an NHWC output [M, Cout]. Partitions (gl.warp_specialize), each walking the same tiles and steps (a step: one tap,
