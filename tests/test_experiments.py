@@ -151,7 +151,8 @@ def test_atomic_ceiling_sums_exactly(capsys):
     assert "| pattern |" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("variant", ["64x256x64:4:4:2:4:128:16cp", "64x256x32:4:8:3:8:96:16c"])
+@pytest.mark.parametrize("variant", ["64x256x64:4:4:2:4:128:16cp", "64x256x32:4:8:3:8:96:16c",
+                                     "64x512x32:4:4:1:4:112:16cps"])
 def test_gluon_forward_builds_for_hopper(variant):
     """The warp-specialised Gluon prototype (runs on an H200 only) still builds for sm_90 with this Triton, without a
     GPU: its partitions' warps add up, the consumer issues wgmma, the gather warps start the weight's TMA loads, and
@@ -161,12 +162,13 @@ def test_gluon_forward_builds_for_hopper(variant):
     kv = gluon_forward.parse_variant(variant)
     kernel = gluon_forward.compile_sm90(variant)
     ptx = kernel.asm["ptx"]
-    assert kernel.metadata.num_warps == kv["consumer_warps"] + kv["npart"] * kv["gather_warps"]
+    assert kernel.metadata.num_warps == kv["nsplit"] * kv["consumer_warps"] + kv["npart"] * kv["gather_warps"]
     for instruction in ("wgmma.mma_async", "cp.async.bulk.tensor", "setmaxnreg", "mbarrier.try_wait"):
         assert instruction in ptx, instruction
 
 
 def test_gluon_forward_variant_names():
+    """The variant names the script's --variants takes (parse_variant), each field and flag."""
     gluon_forward = _load("gluon_forward")
     kv = gluon_forward.parse_variant("64x256x32:4:8:3:8:96:16cpg")
     assert (kv["block_m"], kv["block_n"], kv["block_k"], kv["gather_warps"], kv["stages"]) == (64, 256, 32, 4, 8)
@@ -174,3 +176,4 @@ def test_gluon_forward_variant_names():
     assert kv["blend16"] and kv["chunk_major"] and kv["persistent"] == gluon_forward.SMS and kv["part_only"] == 1
     plain = gluon_forward.parse_variant("64x256x64:8:3")
     assert (plain["npart"], plain["consumer_warps"], plain["blend16"], plain["persistent"]) == (1, 4, False, 0)
+    assert plain["nsplit"] == 1 and gluon_forward.parse_variant("64x512x32:4:4:1:4:112:16s")["nsplit"] == 2
