@@ -279,7 +279,7 @@ def forward(x_nhwc, offset, mask, wp, bias, kh, kw, stride=1, padding=1, dilatio
 
 # --- variants, a build without a GPU, check and time --------------------------------------------------------
 
-SMS = 132  # the H200's multiprocessors (the persistent grid)
+SMS = 132  # multiprocessors for the persistent grid ('p'): the H200's; main() reads the GPU's
 
 
 def parse_variant(v: str) -> dict:
@@ -364,6 +364,9 @@ def graph_ms(fn) -> float:
 def main(argv=None):
     import deformconv
     from deformconv.ops.reference import deform_conv2d_forward as reference
+
+    global SMS
+    SMS = torch.cuda.get_device_properties(0).multi_processor_count  # the persistent grid ('p') on this GPU
     p = argparse.ArgumentParser()
     p.add_argument("--shapes", default="det-s4,det-s5,cls-14,det-s3")
     # the best of v27's runs, and the two bounds of the first (gathers alone, weight loads and wgmma alone)
