@@ -302,40 +302,28 @@ def parse_variant(v: str) -> dict:
 
 
 def compile_sm90(variant: str, c: int = 256, cout: int = 256):
-    """Build the kernel of a variant for sm_90 without a GPU (Triton's own ptxas), as a 3x3 det-s4-like layer with
-    c input and cout output channels would launch it; returns Triton's compiled kernel (asm: ttgir, ptx, cubin)."""
-    from triton.backends.compiler import GPUTarget
+    """Build the kernel of a variant for sm_90 without a GPU (Triton's own ptxas, through ptx_summary.compile_kernel),
+    as a 3x3 det-s4-like layer with c input and cout output channels would launch it; returns Triton's compiled kernel
+    (asm: ttgir, ptx, cubin)."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
+    from ptx_summary import compile_kernel
+
     kv = parse_variant(variant)
-    fn = _deform_fwd_ws_kernel
     h, w, n = 50, 76, 8
     m = n * h * w
     tiles = triton.cdiv(m, kv["block_m"]) * triton.cdiv(cout, kv["block_n"])
-    kv["block_n"] //= kv["nsplit"]  # the kernel's BLOCK_N: one consumer's columns
+    block_n = kv["block_n"] // kv["nsplit"]  # the kernel's BLOCK_N: one consumer's columns
     ints = dict(H=h, W=w, C=c, HO=h, WO=w, M=m, COUT=cout, SH=1, SW=1, PH=1, PW=1, DH=1, DW=1,
                 m_tiles=triton.cdiv(m, kv["block_m"]), n_tiles=tiles)
-    const = dict(KH=3, KW=3, BLOCK_M=kv["block_m"], BLOCK_N=kv["block_n"], BLOCK_K=kv["block_k"],
+    const = dict(KH=3, KW=3, BLOCK_M=kv["block_m"], BLOCK_N=block_n, BLOCK_K=kv["block_k"],
                  STAGES=kv["stages"], GATHER_WARPS=kv["gather_warps"], GATHER_REGS=kv["gather_regs"],
                  NPART=kv["npart"], BLEND16=kv["blend16"], CHUNK_MAJOR=kv["chunk_major"], PART_ONLY=kv["part_only"],
                  NSPLIT=kv["nsplit"], CONSUMER_REGS=kv["consumer_regs"])
     layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in const:
-            signature[name] = "constexpr"
-        elif name == "w_desc":
-            signature[name] = f"tensordesc<fp16[{kv['block_k']}, {kv['block_n']}],{layout!r}>"
-        elif name.endswith("_ptr"):
-            signature[name], attrs[(i,)] = "*fp16", [["tt.divisibility", 16]]
-        elif ints[name] == 1:  # as Triton specialises it at run time
-            signature[name], const[name] = "constexpr", 1
-        else:
-            signature[name] = "i32"
-            if ints[name] % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=kv["consumer_warps"]))
+    pointers = {name: "*fp16" for name in ("x_ptr", "off_ptr", "msk_ptr", "b_ptr", "out_ptr")}
+    pointers["w_desc"] = f"tensordesc<fp16[{kv['block_k']}, {block_n}],{layout!r}>"
+    return compile_kernel(_deform_fwd_ws_kernel, pointers, const, ints, kv["consumer_warps"], source=GluonASTSource)
 
 
 SHAPES = {  # name: (N, Cin, Cout, H, W, k) -- the benchmark's det/cls shapes (offset groups 1)

@@ -21,15 +21,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import deformconv.ops.deform_conv2d as K
 
 TARGET = GPUTarget("cuda", 90, 32)
 PATTERN = re.compile(r"(ld\.global[.\w:]*|st\.global[.\w:]*|atom\.global[.\w:]*|cp\.async[.\w:]*|wgmma\.mma_async)")
 
 
 def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: int, num_stages: int = 2,
-                   maxnreg: Optional[int] = None):
-    """pointers: name -> '*fp16'/'*fp32'; ints: name -> the value a run would pass."""
+                   maxnreg: Optional[int] = None, source=ASTSource):
+    """pointers: name -> '*fp16'/'*fp32'; ints: name -> the value a run would pass. source: the kernel's AST source
+    class (Gluon kernels: GluonASTSource)."""
     signature, attrs, constexprs = {}, {}, dict(constexprs)
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
@@ -45,7 +45,7 @@ def compile_kernel(fn, pointers: dict, constexprs: dict, ints: dict, num_warps: 
             signature[name] = "i32"
             if ints[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    src = source(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         options["maxnreg"] = maxnreg
@@ -123,6 +123,8 @@ SHAPES = {"det-s4": ((8, 256, 256, 50, 76, 1), 256, 1), "hires-g8": ((16, 64, 64
 def main(shapes=tuple(SHAPES), tilings=(False, True), log=print):
     """One line per (shape, tiling, kernel): static PTX counts (see counts). Tiles through TMA descriptors
     (Config.tma) where the default configs take them: at det-s4, all three kernels."""
+    import deformconv.ops.deform_conv2d as K  # here, not at import: compile_kernel needs no torch (gluon_forward.py)
+
     h = "*fp16"
     fwd = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
     data = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, go_ptr=h, gin_ptr="*fp32", goff_ptr=h, gmsk_ptr=h,
