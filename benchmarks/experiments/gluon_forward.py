@@ -245,6 +245,10 @@ def _deform_fwd_ws_kernel(
 # --- launcher --------------------------------------------------------------------------------------------------
 
 
+# the weight tiles' shared-memory layout (128-byte swizzle, 16-bit), in the TMA descriptor and its signature
+W_LAYOUT = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+
+
 def packed_weight(weight):
     """[Cout, Cin, kh, kw] -> [kh*kw*Cin, Cout] (tap-major rows, as the product's pack for groups = 1)."""
     cout, cin, kh, kw = weight.shape
@@ -265,8 +269,7 @@ def forward(x_nhwc, offset, mask, wp, bias, kh, kw, stride=1, padding=1, dilatio
     m = n * ho * wo
     if out is None:
         out = torch.empty((n, ho, wo, cout), dtype=x_nhwc.dtype, device=x_nhwc.device)
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    w_desc = TensorDescriptor(wp, list(wp.shape), list(wp.stride()), [block_k, block_n // nsplit], layout)
+    w_desc = TensorDescriptor(wp, list(wp.shape), list(wp.stride()), [block_k, block_n // nsplit], W_LAYOUT)
     m_tiles = triton.cdiv(m, block_m)
     n_tiles = m_tiles * triton.cdiv(cout, block_n)
     grid = (min(n_tiles, persistent) if persistent else n_tiles,)
@@ -320,9 +323,8 @@ def compile_sm90(variant: str, c: int = 256, cout: int = 256):
                  STAGES=kv["stages"], GATHER_WARPS=kv["gather_warps"], GATHER_REGS=kv["gather_regs"],
                  NPART=kv["npart"], BLEND16=kv["blend16"], CHUNK_MAJOR=kv["chunk_major"], PART_ONLY=kv["part_only"],
                  NSPLIT=kv["nsplit"], CONSUMER_REGS=kv["consumer_regs"])
-    layout = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     pointers = {name: "*fp16" for name in ("x_ptr", "off_ptr", "msk_ptr", "b_ptr", "out_ptr")}
-    pointers["w_desc"] = f"tensordesc<fp16[{kv['block_k']}, {block_n}],{layout!r}>"
+    pointers["w_desc"] = f"tensordesc<fp16[{kv['block_k']}, {block_n}],{W_LAYOUT!r}>"
     return compile_kernel(_deform_fwd_ws_kernel, pointers, const, ints, kv["consumer_warps"], source=GluonASTSource)
 
 
