@@ -177,3 +177,47 @@ def test_gluon_forward_variant_names():
     plain = gluon_forward.parse_variant("64x256x64:8:3")
     assert (plain["npart"], plain["consumer_warps"], plain["blend16"], plain["persistent"]) == (1, 4, False, 0)
     assert plain["nsplit"] == 1 and gluon_forward.parse_variant("64x512x32:4:4:1:4:112:16s")["nsplit"] == 2
+
+
+def test_window_gather_checks_every_mode(capsys):
+    """The window-gather experiment's kernel on a tiny layer (CPU: interpreter; GPU: compiled): plain corner loads of
+    2-D and flat tiles, the window with its fallback loads, the L2-only loads -- each checked by the script against
+    the float64 reference on outputs poisoned with NaN (it raises otherwise); the window without its fallback drops
+    samples, and the script says so by its error."""
+    window_gather = _load("window_gather")
+    rows = window_gather.main(["--tiny", "--variants", "0:2x4:8x8:32:4:1,1:2x4:8x8:32:4:1,3:1x16:8x8:32:4:1,"
+                                                       "2:2x4:8x8:32:4:1"])
+    assert [r["variant"] for r in rows] == ["0:2x4:8x8:32:4:1", "1:2x4:8x8:32:4:1", "3:1x16:8x8:32:4:1",
+                                            "2:2x4:8x8:32:4:1"]
+    assert all(r["rel_err"] < 2e-3 for r in rows[:3]) and rows[3]["rel_err"] > 1e-2
+    assert "rel err" in capsys.readouterr().out
+
+
+def test_window_gather_builds_for_hopper():
+    """The experiment's kernels build for sm_90 without a GPU: plain loads as 16-byte vectors (through the L1, or
+    `.cg` in MODE 3), and the window's 1-D tl.gather on Triton's shared-memory path (no warp-local layout). In a
+    subprocess, as test_ptx_summary_compiles_every_kernel_for_sm90."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
+    code = ("import window_gather as g\n"
+            "for v in ('0:1x64:16x32:32:8:1', '3:1x64:16x32:32:8:1', '1:4x16:16x32:32:8:1'):\n"
+            "    asm = g.compile_sm90(v).asm\n"
+            "    print(v, 'v4' if 'ld.global.v4' in asm['ptx'] else '', 'cg.v4' if 'ld.global.cg.v4' in asm['ptx'] else '',\n"
+            "          'gather' if 'tt.gather' in asm['ttgir'] else '', 'warp-local' if 'efficient_layout' in asm['ttgir'] else '',\n"
+            "          'lds64' if 'ld.shared.b64' in asm['ptx'] else '')")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    plain, cg, window = (line.split() for line in proc.stdout.strip().splitlines())
+    assert plain[1:] == ["v4"] and cg[1:] == ["cg.v4"], (plain, cg)
+    assert "gather" in window and "lds64" in window and "warp-local" not in window, window
+
+
+def test_window_gather_variant_names():
+    window_gather = _load("window_gather")
+    assert window_gather.parse_variant("1:4x16:16x32:64:8:2:3") == dict(
+        mode=1, th=4, tw=16, wh=16, ww=32, bk=64, warps=8, stages=2, ctas_per_sm=3)
+    assert window_gather.parse_variant("0:1x64:16x32:32:8:1")["ctas_per_sm"] == 0
+    with pytest.raises(ValueError, match="expected 'MODE:THxTW:WHxWW:BK:warps:stages"):
+        window_gather.parse_variant("1:4x16:32:8:1")
