@@ -195,16 +195,16 @@ def test_window_gather_checks_every_mode(capsys):
 
 def test_window_gather_builds_for_hopper():
     """The experiment's kernels build for sm_90 without a GPU: plain loads as 16-byte vectors (through the L1, or
-    `.cg` in MODE 3), and the window's 1-D tl.gather on Triton's shared-memory path (no warp-local layout). In a
-    subprocess, as test_ptx_summary_compiles_every_kernel_for_sm90."""
+    `.cg` in MODE 3), and the window's 1-D tl.gather on Triton's shared-memory path (no warp-local layout; 64-bit
+    shared loads, paired by Triton 3.6). In a subprocess, as test_ptx_summary_compiles_every_kernel_for_sm90."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
-    code = ("import window_gather as g\n"
+    code = ("import re\nimport window_gather as g\n"
             "for v in ('0:1x64:16x32:32:8:1', '3:1x64:16x32:32:8:1', '1:4x16:16x32:32:8:1'):\n"
             "    asm = g.compile_sm90(v).asm\n"
             "    print(v, 'v4' if 'ld.global.v4' in asm['ptx'] else '', 'cg.v4' if 'ld.global.cg.v4' in asm['ptx'] else '',\n"
             "          'gather' if 'tt.gather' in asm['ttgir'] else '', 'warp-local' if 'efficient_layout' in asm['ttgir'] else '',\n"
-            "          'lds64' if 'ld.shared.b64' in asm['ptx'] else '')")
+            "          'lds64' if re.search(r'ld\\.shared(\\.v[24])?\\.b64', asm['ptx']) else '')")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode and "ptxas" in proc.stderr.lower():
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
