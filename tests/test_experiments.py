@@ -202,9 +202,10 @@ def test_window_gather_builds_for_hopper():
     code = ("import re\nimport window_gather as g\n"
             "for v in ('0:1x64:16x32:32:8:1', '3:1x64:16x32:32:8:1', '1:4x16:16x32:32:8:1'):\n"
             "    asm = g.compile_sm90(v).asm\n"
-            "    print(v, 'v4' if 'ld.global.v4' in asm['ptx'] else '', 'cg.v4' if 'ld.global.cg.v4' in asm['ptx'] else '',\n"
-            "          'gather' if 'tt.gather' in asm['ttgir'] else '', 'warp-local' if 'efficient_layout' in asm['ttgir'] else '',\n"
-            "          'lds64' if re.search(r'ld\\.shared(\\.v[24])?\\.b64', asm['ptx']) else '')")
+            "    ptx, ttgir = asm['ptx'], asm['ttgir']\n"
+            "    print(v, 'v4' if 'ld.global.v4' in ptx else '', 'cg.v4' if 'ld.global.cg.v4' in ptx else '',\n"
+            "          'gather' if 'tt.gather' in ttgir else '', 'warp-local' if 'efficient_layout' in ttgir else '',\n"
+            "          'lds64' if re.search(r'ld\\.shared(\\.v[24])?\\.b64', ptx) else '')")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode and "ptxas" in proc.stderr.lower():
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")

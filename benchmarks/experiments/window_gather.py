@@ -74,7 +74,7 @@ def _window_gather_kernel(
     out_ptr,                   # [N, H, W, C] fp32: the sum over the taps of each position's mask-weighted samples
     N, H, W, C, tiles_h, tiles_w,
     KH: tl.constexpr, KW: tl.constexpr,      # kernel size (padding KH//2, KW//2; stride and dilation 1)
-    TH: tl.constexpr, TW: tl.constexpr,      # a tile: TH x TW output positions of one image
+    TH: tl.constexpr, TW: tl.constexpr,      # a tile: TH x TW positions of one image (TH 1: a row-major run of TW)
     WH: tl.constexpr, WW: tl.constexpr,      # its window: WH x WW input pixels (MODE 1, 2)
     BK: tl.constexpr,                        # channels a chunk
     MODE: tl.constexpr,                      # see the module docstring
@@ -122,7 +122,7 @@ def _window_gather_kernel(
             wx = wx0 + widx % WW
             in_img = (wy >= 0) & (wy < H) & (wx >= 0) & (wx < W)
             win = tl.zeros([WH * WW * Q], tl.int64)
-            if MODE != 0:  # flat [WH*WW*Q]: pixel-major, Q words a pixel
+            if MODE == 1 or MODE == 2:  # flat [WH*WW*Q]: pixel-major, Q words a pixel
                 wptr = x64_ptr + ((pix_img + wy * W + wx) * (C // 4) + c0 // 4)[:, None] + cq[None, :]
                 win = tl.reshape(tl.load(wptr, mask=in_img[:, None], other=0), [WH * WW * Q])
             acc = tl.zeros([BM, BK], tl.float32)
@@ -224,7 +224,8 @@ def gather_sums(x_nhwc, offset, mask, k=3, mode=1, th=4, tw=16, wh=16, ww=32, bk
     padding k//2), from an NHWC fp16 input (a contiguous [N, H, W, C] tensor, C a multiple of bk)."""
     n, h, w, c = x_nhwc.shape
     assert x_nhwc.dtype == torch.float16 and x_nhwc.is_contiguous() and c % bk == 0 and bk % 4 == 0
-    assert mode in (0, 3) or (th > 1 and wh >= th + k + 1 and ww >= tw + k + 1), "the window must hold the tile's corners"
+    assert mode in (0, 3) or (th > 1 and wh >= th + k + 1 and ww >= tw + k + 1), \
+        "the window must hold the tile's undeformed corners"
     if out is None:
         out = torch.empty(n, h, w, c, device=x_nhwc.device, dtype=torch.float32)
     tiles_h, tiles_w = (triton.cdiv(h * w, tw), 1) if th == 1 else (triton.cdiv(h, th), triton.cdiv(w, tw))
