@@ -131,7 +131,8 @@ def _window_gather_kernel(
             acc2 = tl.zeros([BM, Q], tl.float32)
             acc3 = tl.zeros([BM, Q], tl.float32)
             for tap in range(KK):
-                # --- the sample points
+                # --- the sample points: the arithmetic of the product's _sample_point, written out because the window
+                # needs the corner's pixel coordinates (y0, x0), which _sample_point folds into an element offset
                 i = tap // KW
                 j = tap - i * KW
                 dy = tl.load(off_ptr + off_row + (2 * tap) * L, mask=valid, other=0.0).to(tl.float32)
