@@ -10,12 +10,12 @@ is given a warp-local layout instead, 16 shuffles an element here, so the window
 script measures that route on the gathers alone -- no weights, no MMA: per output position and channel, the sum over
 the taps of the mask-weighted bilinear samples -- against plain global corner loads of the same tiles.
 
-Answer (H200, fp16, v28 in NOTES.md, benchmarks/results/h200-window-gather.json): the window loses. MODE 1 took
-0.237 / 0.228 / 0.113 ms at det-s4 / det-s5 / cls-14 against 0.081 / 0.118 / 0.056 for plain loads of the same 4x16
-tiles, and even without its fallback loads (MODE 2) 0.42 / 0.38 / 0.18. But the plain gathers alone, at 4 CTAs of 8
-warps a multiprocessor, take half the product's forward: det-s4 0.070 ms (flat 64-position tiles) against 0.143,
-with 49% of their loads hitting the L1 (the product's: 0.3%). Their time follows the warps in flight: det-s4 0.144 /
-0.095 / 0.091 / 0.071 ms at 1 / 2 / 3 / 4 CTAs a multiprocessor (ctas_per_sm), and the product's kernel, whose
+Answer (H200, fp16, v28 in NOTES.md, benchmarks/results/h200-window-gather.json, run "final"): the window loses.
+MODE 1 took 0.244 / 0.234 / 0.114 ms at det-s4 / det-s5 / cls-14 against 0.081 / 0.117 / 0.055 for plain loads of the
+same 4x16 tiles, and without its fallback loads (MODE 2) 0.37 / 0.36 / 0.18. But the plain gathers alone, at 4 CTAs of
+8 warps a multiprocessor, take half the product's forward: det-s4 0.071 ms (flat 64-position tiles) against 0.143,
+with 49% of their loads hitting the L1 (the product's: 0.3%). Their time follows the warps in flight: det-s4 0.142 /
+0.094 / 0.090 / 0.071 ms at 1 / 2 / 3 / 4 CTAs a multiprocessor (ctas_per_sm), and the product's kernel, whose
 64x256 fp32 accumulator takes half its registers, runs 2.
 
 Variants 'MODE:THxTW:WHxWW:BK:warps:stages[:ctas_per_sm]' (a tile: TH x TW output positions of one image, or with TH = 1
