@@ -1,5 +1,5 @@
 """What the experiment scripts share: their shape/dtype/output arguments, the benchmark inputs of a shape, the
-agreement check between two runs' results, and writing the records out."""
+agreement check between two runs' results, CUDA-graph timing, and writing the records out."""
 
 from __future__ import annotations
 
@@ -39,6 +39,21 @@ def max_rel_err(outs: Sequence[torch.Tensor], refs: Sequence[torch.Tensor]) -> f
     """Largest max|out - ref| / max|ref| over the pairs (in float64)."""
     return max(((o.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30)).item()
                for o, r in zip(outs, refs))
+
+
+def graph_ms(fn) -> float:
+    """fn's do_bench median replayed from a CUDA graph: GPU time, without the host's per-call cost."""
+    from triton.testing import do_bench
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=50, rep=300)
 
 
 def markdown(head: Sequence[str], rows: Sequence[Sequence[str]]) -> str:

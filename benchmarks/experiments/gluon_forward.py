@@ -336,23 +336,9 @@ SHAPES = {  # name: (N, Cin, Cout, H, W, k) -- the benchmark's det/cls shapes (o
 }
 
 
-def graph_ms(fn) -> float:
-    """fn's do_bench median replayed from a CUDA graph: GPU time, without the host's per-call cost."""
-    from triton.testing import do_bench
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return do_bench(graph.replay, warmup=50, rep=300)
-
-
 def main(argv=None):
     import deformconv
+    from common import graph_ms  # here, not at import: compile_sm90 builds without torch (a stub will do)
     from deformconv.ops.reference import deform_conv2d_forward as reference
 
     global SMS

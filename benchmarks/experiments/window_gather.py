@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from deformconv.ops.deform_conv2d import _bilinear_weights
+
 # (N, C, H, W) of the benchmark's layers (k = 3, stride 1, padding 1)
 SHAPES = {"det-s3": (8, 128, 100, 152), "det-s4": (8, 256, 50, 76), "det-s5": (8, 512, 25, 38),
           "cls-14": (64, 256, 14, 14), "tiny": (1, 32, 7, 9)}
@@ -147,11 +149,7 @@ def _window_gather_kernel(
                 lx = x - x0f
                 y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
                 x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
-                mv = tl.where(inside, mv, 0.0)
-                w00 = (1.0 - ly) * (1.0 - lx) * mv
-                w01 = (1.0 - ly) * lx * mv
-                w10 = ly * (1.0 - lx) * mv
-                w11 = ly * lx * mv
+                w00, w01, w10, w11 = _bilinear_weights(ly, lx, tl.where(inside, mv, 0.0))
                 top = inside & (y0 >= 0)
                 bottom = inside & (y0 + 1 < H)
                 left = x0 >= 0
@@ -291,7 +289,7 @@ def main(argv=None):
         t_prod = None
         if not args.tiny:
             import deformconv
-            from gluon_forward import graph_ms
+            from common import graph_ms
             wt = (torch.randn(c, c, k, k, device=device) / (c * k * k) ** 0.5).to(torch.float16)
             xc = x.contiguous(memory_format=torch.channels_last)
             t_prod = graph_ms(lambda: deformconv.deform_conv2d(xc, off, wt, None, padding=1, mask=msk))
