@@ -85,6 +85,61 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
         assert all(re.search(r"kloop=\d+ instr .*HGMMA=[1-9]", line) for line in lines), lines
 
 
+# Two forwards built for sm_90 by tests/test_experiments.py's subprocess below: a long-segment 16-bit forward (det-s3's
+# tile) and the 64x256 forward with flat tiles and an NCHW output (det-s5, cls-14), capped at 128 registers.
+_FORWARD_CODEGEN = """
+import re, sys
+import ptx_summary as p
+import deformconv.ops.deform_conv2d as K
+if "--as-3.6" in sys.argv:  # what the product builds without its newer-Triton paths (the test's own check)
+    K.EXPLICIT_FMA_BLEND = K.tl.constexpr(False)
+    K.CONTIGUOUS_FLAT_STORE = K.tl.constexpr(False)
+h = "*fp16"
+ptrs = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
+meta = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32", NSEG=1, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=False,
+            GROUPED=False, W_K_MAJOR=False, RUN_STORE=0)
+long = p.compile_kernel(K._deform_conv2d_fwd_kernel, ptrs, dict(meta, SEG=128, SAMPLE_AHEAD=True, TMA=False,
+                        BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), p.shape_ints(8, 128, 128, 100, 152, 1, False), 4, 3)
+wide = p.compile_kernel(K._deform_conv2d_fwd_kernel, dict(ptrs, w_ptr="tensordesc<fp16[32,256]>"),
+                        dict(meta, SEG=256, SAMPLE_AHEAD=False, TMA=True, BLOCK_M=64, BLOCK_N=256, BLOCK_K=32),
+                        p.shape_ints(8, 512, 512, 25, 38, 1, False), 8, 3, maxnreg=128)
+ptx = long.asm["ptx"]
+print(len(re.findall(r"fma\\.rn\\.f16", ptx)), len(re.findall(r"\\badd\\.f16", ptx)), p.resources(wide) or "regs=? stack=?")
+"""
+
+
+def _forward_codegen(*flags):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-c", _FORWARD_CODEGEN, *flags], env=env, capture_output=True, text=True,
+                          timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    fmas, adds, resources = proc.stdout.split(maxsplit=2)
+    stack = re.search(r"stack=(\d+)", resources)
+    return int(fmas), int(adds), int(stack.group(1)) if stack else None
+
+
+def test_forward_builds_its_blend_as_fmas_and_keeps_registers_on_any_triton():
+    """The forward's 16-bit blend compiles to fused multiply-adds, and the 64x256 flat-tile forward fits its 128 registers
+    (a stack of a few words at most, outside its loops), with the Triton installed here (sm_90, no GPU). Triton 3.8 left
+    the plain `a*b + c*d` blend unfused (f16x2 multiplies, scalar adds: 1.29x det-s3's forward) and laid the flat
+    tiles' NCHW store out channel-major (1096 bytes of spills: det-s5 1.6x, cls-14 2.0x), until EXPLICIT_FMA_BLEND and
+    CONTIGUOUS_FLAT_STORE (benchmarks/NOTES.md, v29). Where those flags are on, the same build without them must show
+    the regression, or this test would not catch its return."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    fmas, adds, stack = _forward_codegen()
+    assert fmas > 0 and adds == 0, (fmas, adds)
+    if stack is not None:  # cuobjdump found (it ships with Triton)
+        assert stack <= 64, stack
+    if kernels.EXPLICIT_FMA_BLEND and kernels.CONTIGUOUS_FLAT_STORE and kernels.triton_version() >= (3, 8):
+        fmas, adds, stack = _forward_codegen("--as-3.6")
+        assert fmas == 0 and adds > 0, (fmas, adds)
+        assert stack is None or stack > 256, stack
+
+
 def test_backward_chunks_agree_with_the_whole_batch(capsys):
     """Forced 1-image chunks give the whole-batch gradients (fp32; up to summation order) in both layouts. (10x12
     images: large enough against the weight that chunks save memory, see _chunked_weight_bytes.)"""

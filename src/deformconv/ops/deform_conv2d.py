@@ -85,6 +85,26 @@ class Config:
         return options
 
 
+def triton_version() -> Tuple[int, int]:
+    """(major, minor) of the Triton in use: "3.8.0" or "3.8.0+git1234" -> (3, 8)."""
+    major, minor = (triton.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+# _blend's multiply-adds spelled out as FMAs on Triton newer than 3.6. Triton 3.8 packs the 16-bit products into f16x2
+# multiplies and leaves their sums scalar, so `a*b + c*d` no longer contracts into FMAs: the fp16 forward's K loop at
+# det-s3 went from 268 to 512 SASS instructions (182 of them byte permutes, sm_90), and the H200 ran that forward 1.29x
+# slower than with Triton 3.6 (benchmarks/NOTES.md, v29). With explicit FMAs 3.8 builds that loop in 275. Triton 3.6
+# keeps the plain expression: it contracts it itself, and explicit FMAs would reorder its SASS.
+EXPLICIT_FMA_BLEND = tl.constexpr(triton_version() > (3, 6))
+# The forward's epilogue stores a tile that lies inside one image as a run of positions, on Triton newer than 3.6. With
+# flat M tiles the positions are m % (Ho*Wo), whose contiguity Triton cannot see; 3.8 then lays the [BM, BN] store out
+# channel-major, each thread holding a column of BM positions with an int64 address apiece, and the 64x256 forward
+# (det-s5, cls-14: 128 registers a thread) spilled 1096 bytes a thread and ran 1.6-2.0x slower on the H200 than with 3.6.
+# Triton 3.6 lays it out position-major without being told, and keeps its measured code.
+CONTIGUOUS_FLAT_STORE = tl.constexpr(triton_version() > (3, 6))
+
+
 def _ceil_div(a: int, b: int) -> int:
     """triton.cdiv in plain Python, for code that runs at every call (Triton 3.8's costs microseconds a call)."""
     return -(-a // b)
@@ -754,8 +774,15 @@ def _blend(w00, w01, w10, w11, c00, c01, c10, c11):
     [...], computed in the corners' dtype (see Precision in the module docstring): fp32 corners in fp32; fp16
     and bf16 corners in their dtype, the weights rounded to it (paired 16-bit FMAs)."""
     dt = c00.dtype
-    return (tl.expand_dims(w00.to(dt), -1) * c00 + tl.expand_dims(w01.to(dt), -1) * c01
-            + tl.expand_dims(w10.to(dt), -1) * c10 + tl.expand_dims(w11.to(dt), -1) * c11)
+    if EXPLICIT_FMA_BLEND:
+        acc = tl.expand_dims(w00.to(dt), -1) * c00
+        acc = tl.fma(tl.expand_dims(w01.to(dt), -1), c01, acc)
+        acc = tl.fma(tl.expand_dims(w10.to(dt), -1), c10, acc)
+        acc = tl.fma(tl.expand_dims(w11.to(dt), -1), c11, acc)
+    else:
+        acc = (tl.expand_dims(w00.to(dt), -1) * c00 + tl.expand_dims(w01.to(dt), -1) * c01
+               + tl.expand_dims(w10.to(dt), -1) * c10 + tl.expand_dims(w11.to(dt), -1) * c11)
+    return acc
 
 
 @triton.jit
@@ -1114,6 +1141,15 @@ def _deform_conv2d_fwd_kernel(
         else:  # the image's last tile, or (flat tiles) one across two images: positions recomputed here
             m_valid, n_img, l32 = _tile_positions(pid_m, M, L, PER_IMAGE, BLOCK_M)
             tl.store(out_ptr + (n_img * out_sn + l32.to(tl.int64) * out_sl)[:, None] + cols, val,
+                     mask=m_valid[:, None] & n_ok[None, :])
+    elif CONTIGUOUS_FLAT_STORE:
+        # a tile inside one image stores its positions as the run l0 .. l0 + BLOCK_M - 1 (see CONTIGUOUS_FLAT_STORE)
+        img0, l0 = _tile_start(pid_m, L, PER_IMAGE, BLOCK_M)
+        if l0 + BLOCK_M <= L:
+            rows = img0.to(tl.int64) * out_sn + (l0 + tl.arange(0, BLOCK_M)).to(tl.int64) * out_sl
+            tl.store(out_ptr + rows[:, None] + cols, val, mask=n_ok[None, :])
+        else:
+            tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val,
                      mask=m_valid[:, None] & n_ok[None, :])
     else:
         tl.store(out_ptr + (n_img * out_sn + l * out_sl)[:, None] + cols, val, mask=m_valid[:, None] & n_ok[None, :])
