@@ -85,8 +85,9 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
         assert all(re.search(r"kloop=\d+ instr .*HGMMA=[1-9]", line) for line in lines), lines
 
 
-# Two forwards built for sm_90 by tests/test_experiments.py's subprocess below: a long-segment 16-bit forward (det-s3's
-# tile) and the 64x256 forward with flat tiles and an NCHW output (det-s5, cls-14), capped at 128 registers.
+# Two forwards built for sm_90 in a subprocess (as in test_ptx_summary_compiles_every_kernel_for_sm90): a long-segment
+# 16-bit forward (det-s3's tile) and the 64x256 forward with flat tiles and an NCHW output (det-s5, cls-14), capped at
+# 128 registers. Prints the first one's 16-bit FMAs and scalar 16-bit adds (PTX), and the second one's registers.
 _FORWARD_CODEGEN = """
 import re, sys
 import ptx_summary as p
