@@ -141,6 +141,29 @@ def test_forward_builds_its_blend_as_fmas_and_keeps_registers_on_any_triton():
         assert stack is None or stack > 256, stack
 
 
+def test_launch_builds_records_and_builds_every_main_kernel(tmp_path):
+    """launch_builds records an fwd+bwd step's launches without running them (here on the CPU, under the interpreter:
+    the outputs stay garbage, the launches are the product's), and builds the three main kernels of each for sm_90 in
+    a subprocess without the interpreter, with registers, K loop and a SASS hash where cuobjdump is found."""
+    lb = _load("launch_builds")
+    launches = lb.record({"tiny": (2, 16, 32, 6, 7, 3, 1)}, ["float16"], torch.device("cpu"))
+    names = {launch["fn"] for launch in launches}
+    assert set(lb.MAIN_KERNELS) <= names, names
+    assert all(launch["shape"] == "tiny" and launch["meta"].get("num_warps") for launch in launches), launches[0]
+    path = tmp_path / "launches.json"
+    path.write_text(__import__("json").dumps(launches))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "launch_builds.py"), "build", str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("tiny float16 ")]
+    assert [line.split()[2] for line in lines] == ["fwd", "bwd_data", "bwd_weight"], proc.stdout
+    if all("regs=" in line for line in lines):  # cuobjdump found
+        assert all(re.search(r"stack=\d+ kloop=\d+ instr sass=[0-9a-f]{12}$", line) for line in lines), lines
+
+
 def test_backward_chunks_agree_with_the_whole_batch(capsys):
     """Forced 1-image chunks give the whole-batch gradients (fp32; up to summation order) in both layouts. (10x12
     images: large enough against the weight that chunks save memory, see _chunked_weight_bytes.)"""
