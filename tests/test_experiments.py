@@ -85,60 +85,61 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
         assert all(re.search(r"kloop=\d+ instr .*HGMMA=[1-9]", line) for line in lines), lines
 
 
-# Two forwards built for sm_90 in a subprocess (as in test_ptx_summary_compiles_every_kernel_for_sm90): a long-segment
-# 16-bit forward (det-s3's tile) and the 64x256 forward with flat tiles and an NCHW output (det-s5, cls-14), capped at
-# 128 registers. Prints the first one's 16-bit FMAs and scalar 16-bit adds (PTX), and the second one's registers.
-_FORWARD_CODEGEN = """
-import re, sys
-import ptx_summary as p
-import deformconv.ops.deform_conv2d as K
+# Three kernels of the H200's recorded launches (benchmarks/results/h200-launches.json) built for sm_90 in a subprocess
+# (as in test_ptx_summary_compiles_every_kernel_for_sm90): det-s3's 16-bit forward, cls-14's 64x256 forward (flat tiles,
+# NCHW output, 128 registers) and det-s5's grad_input kernel. Prints the first one's 16-bit FMAs and scalar 16-bit adds
+# (PTX), and the other two's registers and stack.
+_CODEGEN = """
+import json, re, sys
+import launch_builds as lb
+from ptx_summary import resources
+K = lb.kernels_module()
 if "--as-3.6" in sys.argv:  # what the product builds without its newer-Triton paths (the test's own check)
-    K.EXPLICIT_FMA_BLEND = K.tl.constexpr(False)
-    K.CONTIGUOUS_FLAT_STORE = K.tl.constexpr(False)
-h = "*fp16"
-ptrs = dict(x_ptr=h, off_ptr=h, msk_ptr=h, w_ptr=h, b_ptr=h, out_ptr=h)
-meta = dict(KH=3, KW=3, HAS_MASK=True, DOT_PRECISION="tf32", NSEG=1, HAS_BIAS=True, EVEN_K=True, PER_IMAGE=False,
-            GROUPED=False, W_K_MAJOR=False, RUN_STORE=0)
-long = p.compile_kernel(K._deform_conv2d_fwd_kernel, ptrs, dict(meta, SEG=128, SAMPLE_AHEAD=True, TMA=False,
-                        BLOCK_M=128, BLOCK_N=128, BLOCK_K=32), p.shape_ints(8, 128, 128, 100, 152, 1, False), 4, 3)
-wide = p.compile_kernel(K._deform_conv2d_fwd_kernel, dict(ptrs, w_ptr="tensordesc<fp16[32,256]>"),
-                        dict(meta, SEG=256, SAMPLE_AHEAD=False, TMA=True, BLOCK_M=64, BLOCK_N=256, BLOCK_K=32),
-                        p.shape_ints(8, 512, 512, 25, 38, 1, False), 8, 3, maxnreg=128)
-ptx = long.asm["ptx"]
-print(len(re.findall(r"fma\\.rn\\.f16", ptx)), len(re.findall(r"\\badd\\.f16", ptx)), p.resources(wide) or "regs=? stack=?")
+    for flag in ("EXPLICIT_FMA_BLEND", "CONTIGUOUS_FLAT_STORE", "PAIR_AXIS_OUTER"):
+        setattr(K, flag, K.tl.constexpr(False))
+launches = {(r["shape"], r["dtype"], r["fn"]): r for r in json.load(open(sys.argv[1]))}
+build = lambda shape, kernel: lb.compile_launch(K, launches[(shape, "float16", "_deform_conv2d_" + kernel + "_kernel")])
+ptx = build("det-s3", "fwd").asm["ptx"]
+print(len(re.findall(r"fma\\.rn\\.f16", ptx)), len(re.findall(r"\\badd\\.f16", ptx)),
+      resources(build("cls-14", "fwd")) or "regs=? stack=?", "|", resources(build("det-s5", "bwd_data")) or "regs=? stack=?")
 """
+RECORD = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-launches.json"
 
 
-def _forward_codegen(*flags):
+def _codegen(*flags):
+    """(16-bit FMAs, scalar 16-bit adds, the wide forward's stack, the grad_input kernel's stack) of _CODEGEN's builds;
+    the stacks None without cuobjdump."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _FORWARD_CODEGEN, *flags], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", _CODEGEN, str(RECORD), *flags], env=env, capture_output=True,
+                          text=True, timeout=600)
     if proc.returncode and "ptxas" in proc.stderr.lower():
         pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
     assert proc.returncode == 0, proc.stderr[-2000:]
-    fmas, adds, resources = proc.stdout.split(maxsplit=2)
-    stack = re.search(r"stack=(\d+)", resources)
-    return int(fmas), int(adds), int(stack.group(1)) if stack else None
+    fmas, adds, rest = proc.stdout.split(maxsplit=2)
+    stacks = [re.search(r"stack=(\d+)", part) for part in rest.split("|")]
+    return (int(fmas), int(adds), *(int(m.group(1)) if m else None for m in stacks))
 
 
-def test_forward_builds_its_blend_as_fmas_and_keeps_registers_on_any_triton():
-    """The forward's 16-bit blend compiles to fused multiply-adds, and the 64x256 flat-tile forward fits its 128 registers
-    (a stack of a few words at most, outside its loops), with the Triton installed here (sm_90, no GPU). Triton 3.8 left
-    the plain `a*b + c*d` blend unfused (f16x2 multiplies, scalar adds: 1.29x det-s3's forward) and laid the flat
-    tiles' NCHW store out channel-major (1096 bytes of spills: det-s5 1.6x, cls-14 2.0x), until EXPLICIT_FMA_BLEND and
-    CONTIGUOUS_FLAT_STORE (benchmarks/NOTES.md, v29). Where those flags are on, the same build without them must show
-    the regression, or this test would not catch its return."""
+def test_kernels_build_without_triton_38_regressions():
+    """With the Triton installed here (sm_90, no GPU): the forward's 16-bit blend compiles to fused multiply-adds, the
+    64x256 flat-tile forward fits its 128 registers (a few words of stack at most, outside its loops) and the grad_input
+    kernel spills little. Triton 3.8 left the plain `a*b + c*d` blend unfused (f16x2 multiplies, scalar adds: 1.29x
+    det-s3's forward), laid the flat tiles' NCHW store out channel-major (1096 bytes of spills: det-s5 1.6x, cls-14 2.0x)
+    and spread the corner pairs over two lanes (the grad_input kernel's stack 48 -> 208 bytes at det-s5), until
+    EXPLICIT_FMA_BLEND, CONTIGUOUS_FLAT_STORE and PAIR_AXIS_OUTER (benchmarks/NOTES.md, v29). Where those flags are on,
+    the same builds without them must show the regressions, or this test would not catch their return."""
     from deformconv.ops import deform_conv2d as kernels
 
-    fmas, adds, stack = _forward_codegen()
+    fmas, adds, wide_stack, data_stack = _codegen()
     assert fmas > 0 and adds == 0, (fmas, adds)
-    if stack is not None:  # cuobjdump found (it ships with Triton)
-        assert stack <= 64, stack
-    if kernels.EXPLICIT_FMA_BLEND and kernels.CONTIGUOUS_FLAT_STORE and kernels.triton_version() >= (3, 8):
-        fmas, adds, stack = _forward_codegen("--as-3.6")
+    if wide_stack is not None:  # cuobjdump found (it ships with Triton)
+        assert wide_stack <= 64 and data_stack <= 128, (wide_stack, data_stack)
+    flags = (kernels.EXPLICIT_FMA_BLEND, kernels.CONTIGUOUS_FLAT_STORE, kernels.PAIR_AXIS_OUTER)
+    if all(flags) and kernels.triton_version() >= (3, 8):
+        fmas, adds, wide_stack, data_stack = _codegen("--as-3.6")
         assert fmas == 0 and adds > 0, (fmas, adds)
-        assert stack is None or stack > 256, stack
+        assert wide_stack is None or (wide_stack > 256 and data_stack > 128), (wide_stack, data_stack)
 
 
 def test_launch_builds_records_and_builds_every_main_kernel(tmp_path):

@@ -103,6 +103,13 @@ EXPLICIT_FMA_BLEND = tl.constexpr(triton_version() > (3, 6))
 # (det-s5, cls-14: 128 registers a thread) spilled 1096 bytes a thread and ran 1.6-2.0x slower on the H200 than with 3.6.
 # Triton 3.6 lays it out position-major without being told, and keeps its measured code.
 CONTIGUOUS_FLAT_STORE = tl.constexpr(triton_version() > (3, 6))
+# _corner_pairs and _scatter_pairs address their [BM, NSEG, 2, SEG] corner pairs with the pair axis moved outermost
+# (permuted back after the load), on Triton newer than 3.6. Triton 3.6 lays those loads out with each pair in one thread;
+# 3.8 spreads a pair over two lanes, so the sums over it take shuffles: the grad_input kernel at det-s3 (fp16) then
+# spilled 312 bytes a thread and ran 902 SASS instructions a K step (72 more shuffles, 64 selects), against 3.6's 0 and
+# 612; with the pair axis outermost 3.8 builds it with 72 and 669, hires-g8's grad_input kernel in 128 registers
+# instead of 167 (sm_90 builds of the H200's launches: experiments/launch_builds.py, benchmarks/NOTES.md v29).
+PAIR_AXIS_OUTER = tl.constexpr(triton_version() > (3, 6))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -823,8 +830,14 @@ def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, c_ok=None):
     and for channels c_ok [NSEG, SEG] excludes (if given). In the offset-grouped layout (PIX = SEG) a pair is
     one run of 2*SEG elements, which two neighbouring threads load from one cache line."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    top = tl.load(ptrs, mask=_pair_mask(v00, v01, c_ok), other=0.0)
-    bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11, c_ok), other=0.0)
+    if PAIR_AXIS_OUTER:
+        pt = tl.permute(ptrs, (2, 0, 1, 3))
+        top = tl.permute(tl.load(pt, mask=tl.permute(_pair_mask(v00, v01, c_ok), (2, 0, 1, 3)), other=0.0), (1, 2, 0, 3))
+        bottom = tl.permute(tl.load(pt + ROW, mask=tl.permute(_pair_mask(v10, v11, c_ok), (2, 0, 1, 3)), other=0.0),
+                            (1, 2, 0, 3))
+    else:
+        top = tl.load(ptrs, mask=_pair_mask(v00, v01, c_ok), other=0.0)
+        bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11, c_ok), other=0.0)
     return top, bottom
 
 
@@ -1171,8 +1184,15 @@ def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale,
     """grad_input's adds at the 4 corners of each sample point, as _corner_pairs' two pairs: grad_col g
     [BM, NSEG, SEG] (fp32) times the _pair_weights wt, wb [BM, NSEG, 2] (channels c_ok excludes skipped)."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01, c_ok), scale, FIXED)
-    _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11, c_ok), scale, FIXED)
+    if PAIR_AXIS_OUTER:
+        pt = tl.permute(ptrs, (2, 0, 1, 3))
+        _scatter_add(pt, tl.permute(g[:, :, None, :] * wt[:, :, :, None], (2, 0, 1, 3)),
+                     tl.permute(_pair_mask(v00, v01, c_ok), (2, 0, 1, 3)), scale, FIXED)
+        _scatter_add(pt + ROW, tl.permute(g[:, :, None, :] * wb[:, :, :, None], (2, 0, 1, 3)),
+                     tl.permute(_pair_mask(v10, v11, c_ok), (2, 0, 1, 3)), scale, FIXED)
+    else:
+        _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01, c_ok), scale, FIXED)
+        _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11, c_ok), scale, FIXED)
 
 
 @triton.jit
