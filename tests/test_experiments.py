@@ -65,20 +65,27 @@ def test_backward_parts_agree_with_the_full_backward(capsys, monkeypatch):
     assert "| shape | dtype | input ms |" in capsys.readouterr().out
 
 
+def _sm90_build(*argv: str) -> str:
+    """stdout of `python *argv` run for an sm_90 build without a GPU: in a subprocess, since the builds need the compiled
+    (not interpreted) kernels and this process may run under TRITON_INTERPRET=1, with the experiments importable.
+    Skips where ptxas cannot build for sm_90 here."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode and "ptxas" in proc.stderr.lower():
+        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
 def test_ptx_summary_compiles_every_kernel_for_sm90():
     """The static PTX tool compiles the three kernels for sm_90 (no GPU needed) with the current constexprs (grad_weight
     with and without its grad_bias rows), and the counts show tensor-core MMAs, the grad_input kernel's vector atomics and a K loop with wgmma in
     SASS. In a subprocess: it needs the compiled (not interpreted) kernels, and this process may run under
     TRITON_INTERPRET=1."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
-    code = "import ptx_summary; ptx_summary.main(shapes=('hires-g8',), tilings=(True,))"
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = proc.stdout.strip().splitlines()
-    assert len(lines) == 4 and "weight +bias" in lines[3], proc.stdout
+    stdout = _sm90_build("-c", "import ptx_summary; ptx_summary.main(shapes=('hires-g8',), tilings=(True,))")
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 4 and "weight +bias" in lines[3], stdout
     assert all("wgmma.mma_async" in line for line in lines), lines
     assert "atom.global.gpu.relaxed.add.v4.f32" in lines[1], lines[1]
     if all("regs=" in line for line in lines):  # cuobjdump found: the K loop's SASS is counted too
@@ -109,14 +116,7 @@ RECORD = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" 
 def _codegen(*flags):
     """(16-bit FMAs, scalar 16-bit adds, the wide forward's stack, the grad_input kernel's stack) of _CODEGEN's builds;
     the stacks None without cuobjdump."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", _CODEGEN, str(RECORD), *flags], env=env, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    fmas, adds, rest = proc.stdout.split(maxsplit=2)
+    fmas, adds, rest = _sm90_build("-c", _CODEGEN, str(RECORD), *flags).split(maxsplit=2)
     stacks = [re.search(r"stack=(\d+)", part) for part in rest.split("|")]
     return (int(fmas), int(adds), *(int(m.group(1)) if m else None for m in stacks))
 
@@ -153,14 +153,9 @@ def test_launch_builds_records_and_builds_every_main_kernel(tmp_path):
     assert all(launch["shape"] == "tiny" and launch["meta"].get("num_warps") for launch in launches), launches[0]
     path = tmp_path / "launches.json"
     path.write_text(__import__("json").dumps(launches))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(EXPERIMENTS / "launch_builds.py"), "build", str(path)], env=env,
-                          capture_output=True, text=True, timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("tiny float16 ")]
-    assert [line.split()[2] for line in lines] == ["fwd", "bwd_data", "bwd_weight"], proc.stdout
+    stdout = _sm90_build(str(EXPERIMENTS / "launch_builds.py"), "build", str(path))
+    lines = [line for line in stdout.splitlines() if line.startswith("tiny float16 ")]
+    assert [line.split()[2] for line in lines] == ["fwd", "bwd_data", "bwd_weight"], stdout
     if all("regs=" in line for line in lines):  # cuobjdump found
         assert all(re.search(r"stack=\d+ kloop=\d+ instr sass=[0-9a-f]{12}$", line) for line in lines), lines
 
@@ -277,8 +272,6 @@ def test_window_gather_builds_for_hopper():
     """The experiment's kernels build for sm_90 without a GPU: plain loads as 16-byte vectors (through the L1, or
     `.cg` in MODE 3), and the window's 1-D tl.gather on Triton's shared-memory path (no warp-local layout; 64-bit
     shared loads, paired by Triton 3.6). In a subprocess, as test_ptx_summary_compiles_every_kernel_for_sm90."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(EXPERIMENTS), env.get("PYTHONPATH", "")])
     code = ("import re\nimport window_gather as g\n"
             "for v in ('0:1x64:16x32:32:8:1', '3:1x64:16x32:32:8:1', '1:4x16:16x32:32:8:1'):\n"
             "    asm = g.compile_sm90(v).asm\n"
@@ -286,11 +279,7 @@ def test_window_gather_builds_for_hopper():
             "    print(v, 'v4' if 'ld.global.v4' in ptx else '', 'cg.v4' if 'ld.global.cg.v4' in ptx else '',\n"
             "          'gather' if 'tt.gather' in ttgir else '', 'warp-local' if 'efficient_layout' in ttgir else '',\n"
             "          'lds64' if re.search(r'ld\\.shared(\\.v[24])?\\.b64', ptx) else '')")
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    if proc.returncode and "ptxas" in proc.stderr.lower():
-        pytest.skip(f"cannot compile for sm_90 here: {proc.stderr.strip().splitlines()[-1]}")
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    plain, cg, window = (line.split() for line in proc.stdout.strip().splitlines())
+    plain, cg, window = (line.split() for line in _sm90_build("-c", code).strip().splitlines())
     assert plain[1:] == ["v4"] and cg[1:] == ["cg.v4"], (plain, cg)
     assert "gather" in window and "lds64" in window and "warp-local" not in window, window
 
