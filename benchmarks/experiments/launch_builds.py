@@ -103,18 +103,16 @@ def compile_launch(kernels, launch: dict):
                           maxnreg=options.get("maxnreg"))
 
 
-def sass_hash(compiled) -> str:
-    """12 hex digits of the SASS instructions (cuobjdump; no line information), '' without cuobjdump."""
-    from ptx_summary import _cuobjdump
-
-    code = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,6}\*/\s+([^;]*;)", _cuobjdump(compiled, "-sass"))]
+def sass_hash(sass: str) -> str:
+    """12 hex digits of the SASS instructions of a kernel's `cuobjdump -sass` text (no line information), '' for none."""
+    code = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,6}\*/\s+([^;]*;)", sass)]
     return hashlib.sha1("\n".join(code).encode()).hexdigest()[:12] if code else ""
 
 
 def build(launches: list, kernels, log=print) -> list:
     """One line per distinct main-kernel launch: shape, dtype, kernel, tile and options, ptx_summary's resources and K
     loop, and sass_hash."""
-    from ptx_summary import k_loop, resources
+    from ptx_summary import _cuobjdump, k_loop, resources
 
     lines, seen = [], set()
     for launch in launches:
@@ -125,10 +123,11 @@ def build(launches: list, kernels, log=print) -> list:
         seen.add(key)
         m = launch["meta"]
         compiled = compile_launch(kernels, launch)
+        sass = _cuobjdump(compiled, "-sass")  # read once for the K loop and the hash
         tile = "x".join(str(m.get(k)) for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K"))
         opts = " ".join(f"{k}={m[k]}" for k in OPTIONS if k in m)
         line = (f"{launch['shape']} {launch['dtype']} {launch['fn'][len('_deform_conv2d_'):-len('_kernel')]} {tile} "
-                f"{opts} {resources(compiled)}{k_loop(compiled).split(' BAR')[0]} sass={sass_hash(compiled)}")
+                f"{opts} {resources(compiled)}{k_loop(compiled, sass).split(' BAR')[0]} sass={sass_hash(sass)}")
         lines.append(line)
         log(line)
     return lines

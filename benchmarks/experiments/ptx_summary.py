@@ -73,12 +73,13 @@ def resources(compiled) -> str:
 SASS_KINDS = ("BAR", "STS", "LDS", "LDSM", "SHFL", "LDG", "LDGSTS", "REDG", "HGMMA")
 
 
-def k_loop(compiled) -> str:
+def k_loop(compiled, sass: str = "") -> str:
     """The K loop's SASS: the innermost loop (a backward branch) holding a tensor-core instruction, as
     'kloop=N instr' plus counts of barriers, shared-memory stores/loads, shuffles, global loads/copies,
-    reductions and wgmma (a barrier and a shared round trip per layout conversion show here); '' if none."""
+    reductions and wgmma (a barrier and a shared round trip per layout conversion show here); '' if none.
+    sass: the kernel's `cuobjdump -sass` text, where the caller has it already."""
     code = []
-    for line in _cuobjdump(compiled, "-sass").splitlines():
+    for line in (sass or _cuobjdump(compiled, "-sass")).splitlines():
         m = re.match(r"\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)([^;]*);", line)
         if m:
             target = re.match(r"\s+(0x[0-9a-f]+)", m.group(3)) if m.group(2) == "BRA" else None

@@ -824,16 +824,23 @@ def _pair_mask(left_ok, right_ok, c_ok=None):
 
 
 @triton.jit
+def _pair_axis_outer(t):
+    """A corner-pair tensor [BM, NSEG, 2, SEG] (or a mask [BM, NSEG, 2, 1]) as [2, BM, NSEG, SEG]: the pair axis
+    outermost, how _corner_pairs and _scatter_pairs address their pairs where PAIR_AXIS_OUTER (a view, no data moved)."""
+    return tl.permute(t, (2, 0, 1, 3))
+
+
+@triton.jit
 def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, c_ok=None):
     """The 4 corners of each sample point as two pairs [BM, NSEG, 2, SEG] in the input's dtype: top (row y0:
     x0, x0+1) and bottom (row y0+1, ROW elements further), zero outside the image, for masked-off segments
     and for channels c_ok [NSEG, SEG] excludes (if given). In the offset-grouped layout (PIX = SEG) a pair is
     one run of 2*SEG elements, which two neighbouring threads load from one cache line."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    if PAIR_AXIS_OUTER:
-        pt = tl.permute(ptrs, (2, 0, 1, 3))
-        top = tl.permute(tl.load(pt, mask=tl.permute(_pair_mask(v00, v01, c_ok), (2, 0, 1, 3)), other=0.0), (1, 2, 0, 3))
-        bottom = tl.permute(tl.load(pt + ROW, mask=tl.permute(_pair_mask(v10, v11, c_ok), (2, 0, 1, 3)), other=0.0),
+    if PAIR_AXIS_OUTER:  # loaded as [2, BM, NSEG, SEG], returned as [BM, NSEG, 2, SEG]
+        pt = _pair_axis_outer(ptrs)
+        top = tl.permute(tl.load(pt, mask=_pair_axis_outer(_pair_mask(v00, v01, c_ok)), other=0.0), (1, 2, 0, 3))
+        bottom = tl.permute(tl.load(pt + ROW, mask=_pair_axis_outer(_pair_mask(v10, v11, c_ok)), other=0.0),
                             (1, 2, 0, 3))
     else:
         top = tl.load(ptrs, mask=_pair_mask(v00, v01, c_ok), other=0.0)
@@ -1185,11 +1192,11 @@ def _scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale,
     [BM, NSEG, SEG] (fp32) times the _pair_weights wt, wb [BM, NSEG, 2] (channels c_ok excludes skipped)."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
     if PAIR_AXIS_OUTER:
-        pt = tl.permute(ptrs, (2, 0, 1, 3))
-        _scatter_add(pt, tl.permute(g[:, :, None, :] * wt[:, :, :, None], (2, 0, 1, 3)),
-                     tl.permute(_pair_mask(v00, v01, c_ok), (2, 0, 1, 3)), scale, FIXED)
-        _scatter_add(pt + ROW, tl.permute(g[:, :, None, :] * wb[:, :, :, None], (2, 0, 1, 3)),
-                     tl.permute(_pair_mask(v10, v11, c_ok), (2, 0, 1, 3)), scale, FIXED)
+        pt = _pair_axis_outer(ptrs)
+        _scatter_add(pt, _pair_axis_outer(g[:, :, None, :] * wt[:, :, :, None]),
+                     _pair_axis_outer(_pair_mask(v00, v01, c_ok)), scale, FIXED)
+        _scatter_add(pt + ROW, _pair_axis_outer(g[:, :, None, :] * wb[:, :, :, None]),
+                     _pair_axis_outer(_pair_mask(v10, v11, c_ok)), scale, FIXED)
     else:
         _scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], _pair_mask(v00, v01, c_ok), scale, FIXED)
         _scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], _pair_mask(v10, v11, c_ok), scale, FIXED)
