@@ -328,18 +328,28 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
 
+# RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (WIDE_RUN_STORES on, off). 320 positions: the old
+# rule's 8-element runs for 16 bits; wide runs: up to 16 bytes of any dtype, as far as Ho*Wo and the tile both divide
+# (gcd(196, 64 or 128) = 4).
+RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, 0), (14, 14, 4): (4, 0)}
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
-def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, monkeypatch):
-    """A 16-bit NCHW output (unpacked segments: 16 channels) is stored in 8-element runs along each channel plane from
-    whole tiles inside one image (RUN_STORE, _run_store), else from the accumulator's layout: the same bits either way
-    (fp32 always the latter), every element written (outputs poisoned), and the float64 reference's numbers. 3 images
-    of 16x20 = 320 positions in 128-row tiles (fp32: 64): per-image tiles end in a partial tile, flat 128-row tiles
-    straddle images."""
+@pytest.mark.parametrize("wide", [True, False], ids=["wide-runs", "16-byte-runs"])
+@pytest.mark.parametrize("hw", [(16, 20), (14, 14)], ids=["16x20", "14x14"])
+def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, wide, hw, monkeypatch):
+    """An NCHW output (unpacked segments: 16 channels) is stored in runs along each channel plane from whole tiles
+    inside one image (RUN_STORE, _run_store: RUN_STORE_CASES), else from the accumulator's layout: the same bits either
+    way, every element written (outputs poisoned), and the float64 reference's numbers. 3 images in 128-row tiles
+    (fp32: 64); 196 positions divide into neither, so per-image tiles end in a partial tile and flat tiles straddle
+    images."""
     from deformconv.ops import deform_conv2d as kernels
 
     monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
-    args, kwargs = make_case(n=3, cin=16, cout=8, h=16, w=20, kh=3, kw=3, padding=1, dtype=dtype, seed=31)
+    monkeypatch.setattr(kernels, "WIDE_RUN_STORES", wide)
+    h, w = hw
+    args, kwargs = make_case(n=3, cin=16, cout=8, h=h, w=w, kh=3, kw=3, padding=1, dtype=dtype, seed=31)
     outs, metas = [], []
     for runs in (True, False):
         monkeypatch.setattr(kernels, "RUN_STORES", runs)
@@ -347,9 +357,9 @@ def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, monkeypat
         with nan_filled_empty():
             outs.append(deformconv.deform_conv2d(*args, **kwargs, backend=backend))
         metas.append(launch_metas(kernels)[0])
-    assert [(m["RUN_STORE"], m["PER_IMAGE"]) for m in metas] == [
-        (8 if dtype == torch.float16 else 0, per_image), (0, per_image)]
-    assert all(2 * m["BLOCK_M"] <= 320 for m in metas)  # whole tiles and a partial or straddling one
+    run = RUN_STORE_CASES[(h, w, dtype.itemsize)][0 if wide else 1]
+    assert [(m["RUN_STORE"], m["PER_IMAGE"]) for m in metas] == [(run, per_image), (0, per_image)]
+    assert all(m["BLOCK_M"] in (64, 128) and m["BLOCK_M"] < h * w for m in metas)  # whole tiles among them
     assert torch.equal(outs[0], outs[1])
     ref = deformconv.deform_conv2d(*[t.double() if t is not None else None for t in args],
                                    **dict(kwargs, mask=kwargs["mask"].double()), backend="reference")

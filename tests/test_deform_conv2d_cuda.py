@@ -235,14 +235,17 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("wide", [False, True], ids=["16-byte-runs", "wide-runs"])
 @pytest.mark.parametrize("shape", ["runs-per-image", "runs-flat-wide", "det-like", "og8-packed-segments"])
-def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, dtype, monkeypatch):
+def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, wide, dtype, monkeypatch):
     """The forward with its NCHW output stored in runs (RUN_STORES) and the weight packed in the input's transpose
     launch (FUSED_PREP), then with both off: the same bits, and the float64 reference's numbers. The run stores
-    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), the fused pass to every
-    NCHW input."""
+    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or (WIDE_RUN_STORES) to any
+    output with unpacked segments, in runs of the largest power of two dividing Ho*Wo and the tile, up to 16 bytes;
+    the fused pass to every NCHW input."""
     from deformconv.ops import deform_conv2d as kernels
 
+    monkeypatch.setattr(kernels, "WIDE_RUN_STORES", wide)
     args, kwargs = _case(shape, dtype, seed=23)
     ref = deformconv.deform_conv2d(*[t.double() if t is not None else None for t in args],
                                    **dict(kwargs, mask=None if kwargs["mask"] is None else kwargs["mask"].double()),
@@ -254,9 +257,14 @@ def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, dtype, monkeyp
         monkeypatch.setattr(kernels, "_PLANS", {})
         _poison_allocator()
         outs.append(deformconv.deform_conv2d(*args, **kwargs, backend="triton"))
-        stores.append(launch_metas(kernels)[0]["RUN_STORE"])
-    runs = shape.startswith("runs-") and dtype != torch.float32
-    assert stores == [8 if runs else 0, 0]
+        stores.append(launch_metas(kernels)[0])
+    if wide:
+        positions, block_m = outs[0].shape[2] * outs[0].shape[3], stores[0]["BLOCK_M"]
+        run = min(math.gcd(positions, block_m), 16 // dtype.itemsize) if stores[0]["NSEG"] == 1 else 0
+        expected = run if run > 1 else 0
+    else:
+        expected = 8 if shape.startswith("runs-") and dtype != torch.float32 else 0
+    assert [m["RUN_STORE"] for m in stores] == [expected, 0]
     assert torch.equal(outs[0], outs[1])
     assert_close(outs[0], ref, dtype, "output")
 

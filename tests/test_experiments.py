@@ -92,14 +92,16 @@ def test_ptx_summary_compiles_every_kernel_for_sm90():
         assert all(re.search(r"kloop=\d+ instr .*HGMMA=[1-9]", line) for line in lines), lines
 
 
-# Three kernels of the H200's recorded launches (benchmarks/results/h200-launches.json) built for sm_90 in a subprocess
-# (as in test_ptx_summary_compiles_every_kernel_for_sm90): det-s3's 16-bit forward, cls-14's 64x256 forward (flat tiles,
-# NCHW output, 128 registers) and det-s5's grad_input kernel. Prints the first one's 16-bit FMAs and scalar 16-bit adds
-# (PTX), and the other two's registers and stack.
+# Four kernels of the H200's recorded launches built for sm_90 in a subprocess (as in
+# test_ptx_summary_compiles_every_kernel_for_sm90): det-s3's 16-bit forward, cls-14's 64x256 forward (NCHW output, 128
+# registers), det-s5's grad_input kernel and hires-g8's forward (packed segments). Prints the first one's 16-bit FMAs
+# and scalar 16-bit adds (PTX), the next two's registers and stack, and the barriers in hires-g8's K loop (SASS).
+# The launches are those the host code makes with this Triton: benchmarks/results/h200-launches.json (Triton 3.6's
+# choices, and --as-3.6), or h200-launches-triton38.json (newer: WIDE_RUN_STORES, PER_IMAGE_RUN_STORES).
 _CODEGEN = """
 import json, re, sys
 import launch_builds as lb
-from ptx_summary import resources
+from ptx_summary import _cuobjdump, k_loop, resources
 K = lb.kernels_module()
 if "--as-3.6" in sys.argv:  # what the product builds without its newer-Triton paths (the test's own check)
     for flag in ("EXPLICIT_FMA_BLEND", "CONTIGUOUS_FLAT_STORE", "PAIR_AXIS_OUTER"):
@@ -107,47 +109,63 @@ if "--as-3.6" in sys.argv:  # what the product builds without its newer-Triton p
 launches = {(r["shape"], r["dtype"], r["fn"]): r for r in json.load(open(sys.argv[1]))}
 build = lambda shape, kernel: lb.compile_launch(K, launches[(shape, "float16", "_deform_conv2d_" + kernel + "_kernel")])
 ptx = build("det-s3", "fwd").asm["ptx"]
+loop = re.search(r"BAR=(\\d+)", k_loop(None, _cuobjdump(build("hires-g8", "fwd"), "-sass")))
 print(len(re.findall(r"fma\\.rn\\.f16", ptx)), len(re.findall(r"\\badd\\.f16", ptx)),
-      resources(build("cls-14", "fwd")) or "regs=? stack=?", "|", resources(build("det-s5", "bwd_data")) or "regs=? stack=?")
+      resources(build("cls-14", "fwd")) or "regs=? stack=?", "|", resources(build("det-s5", "bwd_data")) or "regs=? stack=?",
+      "|", loop.group(1) if loop else "?")
 """
-RECORD = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "h200-launches.json"
+RESULTS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def _codegen(*flags):
-    """(16-bit FMAs, scalar 16-bit adds, the wide forward's stack, the grad_input kernel's stack) of _CODEGEN's builds;
-    the stacks None without cuobjdump."""
-    fmas, adds, rest = _sm90_build("-c", _CODEGEN, str(RECORD), *flags).split(maxsplit=2)
-    stacks = [re.search(r"stack=(\d+)", part) for part in rest.split("|")]
-    return (int(fmas), int(adds), *(int(m.group(1)) if m else None for m in stacks))
+    """(16-bit FMAs, scalar 16-bit adds, the wide forward's stack, the grad_input kernel's stack, the packed forward's
+    K-loop barriers) of _CODEGEN's builds; the last three None without cuobjdump."""
+    from deformconv.ops import deform_conv2d as kernels
+
+    newer = kernels.WIDE_RUN_STORES and kernels.PER_IMAGE_RUN_STORES and "--as-3.6" not in flags
+    record = RESULTS / ("h200-launches-triton38.json" if newer else "h200-launches.json")
+    fmas, adds, rest = _sm90_build("-c", _CODEGEN, str(record), *flags).split(maxsplit=2)
+    parts = rest.split("|")
+    stacks = [re.search(r"stack=(\d+)", part) for part in parts[:2]]
+    barriers = parts[2].strip()
+    return (int(fmas), int(adds), *(int(m.group(1)) if m else None for m in stacks),
+            int(barriers) if barriers.isdigit() else None)
 
 
 def test_kernels_build_without_triton_38_regressions():
     """With the Triton installed here (sm_90, no GPU): the forward's 16-bit blend compiles to fused multiply-adds, the
-    64x256 flat-tile forward fits its 128 registers (a few words of stack at most, outside its loops) and the grad_input
-    kernel spills little. Triton 3.8 left the plain `a*b + c*d` blend unfused (f16x2 multiplies, scalar adds: 1.29x
-    det-s3's forward), laid the flat tiles' NCHW store out channel-major (1096 bytes of spills: det-s5 1.6x, cls-14 2.0x)
-    and spread the corner pairs over two lanes (the grad_input kernel's stack 48 -> 208 bytes at det-s5), until
-    EXPLICIT_FMA_BLEND, CONTIGUOUS_FLAT_STORE and PAIR_AXIS_OUTER (benchmarks/NOTES.md, v29). Where those flags are on,
-    the same builds without them must show the regressions, or this test would not catch their return."""
+    64x256 forward fits its 128 registers (a few words of stack at most, outside its loops), the grad_input kernel
+    spills little and the packed forward's K loop converts no layouts through shared memory (at most 4 barriers).
+    Triton 3.8 left the plain `a*b + c*d` blend unfused (f16x2 multiplies, scalar adds: 1.29x det-s3's forward), laid
+    the flat tiles' NCHW store out channel-major (1096 bytes of spills: det-s5 1.6x, cls-14 2.0x), spread the corner
+    pairs over two lanes (the grad_input kernel's stack 48 -> 208 bytes at det-s5; hires-g8's forward 18 barriers a K
+    step), until EXPLICIT_FMA_BLEND, CONTIGUOUS_FLAT_STORE and PAIR_AXIS_OUTER (benchmarks/NOTES.md, v29, v30); per-image
+    tiles with run stores (WIDE_RUN_STORES, PER_IMAGE_RUN_STORES, v30) bring cls-14's forward to 8 bytes. Where those
+    flags are on, the same builds without them must show the regressions, or this test would not catch their return."""
     from deformconv.ops import deform_conv2d as kernels
 
-    fmas, adds, wide_stack, data_stack = _codegen()
+    fmas, adds, wide_stack, data_stack, barriers = _codegen()
     assert fmas > 0 and adds == 0, (fmas, adds)
     if wide_stack is not None:  # cuobjdump found (it ships with Triton)
-        assert wide_stack <= 64 and data_stack <= 128, (wide_stack, data_stack)
+        assert wide_stack <= 16 and data_stack <= 128 and barriers <= 4, (wide_stack, data_stack, barriers)
     flags = (kernels.EXPLICIT_FMA_BLEND, kernels.CONTIGUOUS_FLAT_STORE, kernels.PAIR_AXIS_OUTER)
     if all(flags) and kernels.triton_version() >= (3, 8):
-        fmas, adds, wide_stack, data_stack = _codegen("--as-3.6")
+        fmas, adds, wide_stack, data_stack, barriers = _codegen("--as-3.6")
         assert fmas == 0 and adds > 0, (fmas, adds)
-        assert wide_stack is None or (wide_stack > 256 and data_stack > 128), (wide_stack, data_stack)
+        assert wide_stack is None or (wide_stack > 256 and data_stack > 128 and barriers > 4), (
+            wide_stack, data_stack, barriers)
 
 
 def test_launch_builds_records_and_builds_every_main_kernel(tmp_path):
-    """launch_builds records an fwd+bwd step's launches without running them (here on the CPU, under the interpreter:
-    the outputs stay garbage, the launches are the product's), and builds the three main kernels of each for sm_90 in
-    a subprocess without the interpreter, with registers, K loop and a SASS hash where cuobjdump is found."""
+    """launch_builds records an fwd+bwd step's launches without running them (on the GPU, or on the CPU under the
+    interpreter: the outputs stay garbage, the launches are the product's), and builds the three main kernels of each
+    for sm_90 in a subprocess without the interpreter, with registers, K loop and a SASS hash where cuobjdump is
+    found."""
     lb = _load("launch_builds")
-    launches = lb.record({"tiny": (2, 16, 32, 6, 7, 3, 1)}, ["float16"], torch.device("cpu"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton kernels on CPU tensors need TRITON_INTERPRET=1")
+    launches = lb.record({"tiny": (2, 16, 32, 6, 7, 3, 1)}, ["float16"], device)
     names = {launch["fn"] for launch in launches}
     assert set(lb.MAIN_KERNELS) <= names, names
     assert all(launch["shape"] == "tiny" and launch["meta"].get("num_warps") for launch in launches), launches[0]

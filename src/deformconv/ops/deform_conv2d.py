@@ -108,7 +108,10 @@ CONTIGUOUS_FLAT_STORE = tl.constexpr(triton_version() > (3, 6))
 # 3.8 spreads a pair over two lanes, so the sums over it take shuffles: the grad_input kernel at det-s3 (fp16) then
 # spilled 312 bytes a thread and ran 902 SASS instructions a K step (72 more shuffles, 64 selects), against 3.6's 0 and
 # 612; with the pair axis outermost 3.8 builds it with 72 and 669, hires-g8's grad_input kernel in 128 registers
-# instead of 167 (sm_90 builds of the H200's launches: experiments/launch_builds.py, benchmarks/NOTES.md v29).
+# instead of 167 (sm_90 builds of the H200's launches: experiments/launch_builds.py, benchmarks/NOTES.md v29). The
+# positions go next to the channels ([2, NSEG, BM, SEG]): as [2, BM, NSEG, SEG] 3.8 spread the packed segments (NSEG > 1,
+# hires-g8) over a warp's lanes, and each K step of the forward converted the [BM, NSEG] sample points' layout through
+# shared memory (18 barriers a step against 3.6's 2; 2 again with the positions inner, v30).
 PAIR_AXIS_OUTER = tl.constexpr(triton_version() > (3, 6))
 
 
@@ -173,7 +176,7 @@ def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype
         return False
     if kind != "fwd":
         return True
-    return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m or (run_store and block_m >= 128)
+    return nseg > 1 or geo.out_h * geo.out_w <= 2 * block_m or (run_store and (block_m >= 128 or PER_IMAGE_RUN_STORES))
 
 
 def grouped_input(geo: ConvGeometry, seg: int) -> bool:
@@ -825,9 +828,10 @@ def _pair_mask(left_ok, right_ok, c_ok=None):
 
 @triton.jit
 def _pair_axis_outer(t):
-    """A corner-pair tensor [BM, NSEG, 2, SEG] (or a mask [BM, NSEG, 2, 1]) as [2, BM, NSEG, SEG]: the pair axis
-    outermost, how _corner_pairs and _scatter_pairs address their pairs where PAIR_AXIS_OUTER (a view, no data moved)."""
-    return tl.permute(t, (2, 0, 1, 3))
+    """A corner-pair tensor [BM, NSEG, 2, SEG] (or a mask [BM, NSEG, 2, 1]) as [2, NSEG, BM, SEG]: the pair axis
+    outermost and the positions next to the channels, how _corner_pairs and _scatter_pairs address their pairs where
+    PAIR_AXIS_OUTER (a view, no data moved). Its own inverse."""
+    return tl.permute(t, (2, 1, 0, 3))
 
 
 @triton.jit
@@ -837,11 +841,10 @@ def _corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, c_ok=None):
     and for channels c_ok [NSEG, SEG] excludes (if given). In the offset-grouped layout (PIX = SEG) a pair is
     one run of 2*SEG elements, which two neighbouring threads load from one cache line."""
     ptrs = _pair_pointers(ptr, p00, cc, PIX)
-    if PAIR_AXIS_OUTER:  # loaded as [2, BM, NSEG, SEG], returned as [BM, NSEG, 2, SEG]
+    if PAIR_AXIS_OUTER:  # loaded as [2, NSEG, BM, SEG], returned as [BM, NSEG, 2, SEG]
         pt = _pair_axis_outer(ptrs)
-        top = tl.permute(tl.load(pt, mask=_pair_axis_outer(_pair_mask(v00, v01, c_ok)), other=0.0), (1, 2, 0, 3))
-        bottom = tl.permute(tl.load(pt + ROW, mask=_pair_axis_outer(_pair_mask(v10, v11, c_ok)), other=0.0),
-                            (1, 2, 0, 3))
+        top = _pair_axis_outer(tl.load(pt, mask=_pair_axis_outer(_pair_mask(v00, v01, c_ok)), other=0.0))
+        bottom = _pair_axis_outer(tl.load(pt + ROW, mask=_pair_axis_outer(_pair_mask(v10, v11, c_ok)), other=0.0))
     else:
         top = tl.load(ptrs, mask=_pair_mask(v00, v01, c_ok), other=0.0)
         bottom = tl.load(ptrs + ROW, mask=_pair_mask(v10, v11, c_ok), other=0.0)
@@ -2181,6 +2184,14 @@ def _grad_out_descriptor(go: Tensor, per_image: bool, block_m: int, block_n: int
 
 # The forward stores a 16-bit NCHW output in 16-byte runs along each channel plane where it can (see _run_store).
 RUN_STORES = True
+# Triton newer than 3.6: runs of any length that divides both Ho*Wo and the tile, in any dtype (WIDE_RUN_STORES), with
+# per-image M tiles wherever a run store applies (PER_IMAGE_RUN_STORES). Triton 3.8 lays a store whose positions it
+# cannot see to be contiguous out one address per element: the 64x256 forward (128 registers a thread) spilled 504
+# bytes at cls-14 and det-s5 (fp16) and 736 in fp32 with per-image tiles, and a tile across two images spills in any
+# layout (64 to 1128 bytes; sm_90 builds of the H200's launches, benchmarks/NOTES.md v30). With both, every recorded
+# forward builds with at most 8 bytes of stack. Triton 3.6 keeps the measured choices below.
+WIDE_RUN_STORES = triton_version() > (3, 6)
+PER_IMAGE_RUN_STORES = triton_version() > (3, 6)
 
 
 def _run_store(out: Tensor, block_m: int, nseg: int) -> int:
@@ -2190,9 +2201,15 @@ def _run_store(out: Tensor, block_m: int, nseg: int) -> int:
     H200 (v23, graph, same process; benchmarks/NOTES.md): det-s3 fp16 0.228 -> 0.224 ms (0.218 with per-image
     tiles), det-s4 bf16 0.149 -> 0.148. Not where runs would be shorter (cls-14, Ho*Wo = 196: 4-element runs, 0.071
     -> 0.074), nor fp32 (hires-g8's packed fp32 forward 0.595 -> 0.703; det shapes within 1%), nor packed segments
-    (hires-g8's stores are vectorised already: Ho*Wo is a multiple of 16)."""
+    (hires-g8's stores are vectorised already: Ho*Wo is a multiple of 16). WIDE_RUN_STORES (Triton newer than 3.6):
+    the largest power of two dividing Ho*Wo and block_m, up to 16 bytes, in any dtype; 0 below 2 elements."""
     n, c, h, w = out.shape
-    if not RUN_STORES or nseg > 1 or out.element_size() != 2 or out.stride(3) != 1 or out.stride(1) != h * w:
+    if not RUN_STORES or nseg > 1 or out.stride(3) != 1 or out.stride(1) != h * w:
+        return 0
+    if WIDE_RUN_STORES:
+        run = min(math.gcd(h * w, block_m), 16 // out.element_size())
+        return run if run > 1 else 0
+    if out.element_size() != 2:
         return 0
     return 8 if h * w % 8 == 0 and block_m % 8 == 0 else 0
 
