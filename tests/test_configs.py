@@ -58,6 +58,20 @@ def test_register_caps_where_measured(shape, dtype, fwd_cap, data_cap, weight_ca
         assert (first.block_m, second.block_m, second.maxnreg) == (32, 64, 128 if dtype != torch.float32 else 168)
 
 
+@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+def test_narrow_grad_weight_tile_stages(stages, dtype, monkeypatch):
+    """det-s3's grad_weight tile (64 x 128, 4 warps) runs unpipelined in fp32 always, and in 16 bits with
+    WEIGHT_NARROW_STAGES: 1 on Triton newer than 3.6 (whose extra shared-memory A tile let only 2 of its 2-stage
+    programs fit an SM), 2 on Triton 3.6."""
+    assert deform_ops.WEIGHT_NARROW_STAGES == (1 if deform_ops.triton_version() > (3, 6) else 2)
+    monkeypatch.setattr(deform_ops, "WEIGHT_NARROW_STAGES", stages)
+    geo = _geo(128, 128, h=100, w=152)
+    first = deform_ops._bwd_weight_candidates(geo, deform_ops.segment_length(geo), dtype, torch.device("cpu"))[0]
+    assert (first.block_m, first.block_n, first.num_warps) == (64, 128, 4)
+    assert first.num_stages == (1 if dtype == torch.float32 else stages)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("shape,expected", [
     ("hires-g8", (32, 64, 32, 4, 96)), ("og16-cout128", (128, 128, 32, 4, None)),

@@ -224,6 +224,11 @@ DATA_PACKED_FP32_MAXNREG = 168
 WEIGHT_PACKED_MAXNREG = 168
 WEIGHT_WIDE_MAXNREG = 128
 WEIGHT_NARROW_FP32_MAXNREG = 168
+# Pipeline stages of grad_weight's narrow 16-bit tile (64 x <=128, 4 warps; det-s3). Triton 3.8 stages that kernel's
+# A tile through shared memory as well (8 KB more: 77840 bytes a program), so 2 programs fit an SM instead of 3, and
+# det-s3's 396 programs (sized for 3 an SM, _split_for) took two waves: 0.329 ms (3.6) -> 0.556 ms. Unpipelined it
+# needs 32 KB: 0.293 ms fp16, 0.309 bf16 (H200, graph; benchmarks/NOTES.md v30). Triton 3.6 keeps its measured 2.
+WEIGHT_NARROW_STAGES = 1 if triton_version() > (3, 6) else 2
 
 
 # Candidates per kernel, the heuristic default first (chosen from H200 measurements, see
@@ -384,7 +389,7 @@ def _bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devi
     # through TMA (v17, H200, fp16): det-s3 0.365 -> 0.336 ms, det-s4 0.262 -> 0.234, det-s5 0.286
     # -> 0.250, cls-14 0.175 -> 0.150, bf16 det-s4 0.264 -> 0.234; packed segments not (hires-g8 0.438 -> 0.443);
     # fp32 (v18): det-s3 0.656 -> 0.609, det-s4 0.643 -> 0.576, det-s5 0.614 -> 0.555, cls-14 0.332 -> 0.310
-    narrow = (64, _pow2_clamp(cout_g, 16, 128), bk, 4, 2, None)
+    narrow = (64, _pow2_clamp(cout_g, 16, 128), bk, 4, WEIGHT_NARROW_STAGES, None)
     if not half:
         # fp32, unpipelined and capped at 168 (v14): det-s3 0.717 -> 0.648 ms (2 stages capped: 0.715-0.724)
         narrow = narrow[:4] + (1, WEIGHT_NARROW_FP32_MAXNREG)
@@ -2188,8 +2193,9 @@ RUN_STORES = True
 # per-image M tiles wherever a run store applies (PER_IMAGE_RUN_STORES). Triton 3.8 lays a store whose positions it
 # cannot see to be contiguous out one address per element: the 64x256 forward (128 registers a thread) spilled 504
 # bytes at cls-14 and det-s5 (fp16) and 736 in fp32 with per-image tiles, and a tile across two images spills in any
-# layout (64 to 1128 bytes; sm_90 builds of the H200's launches, benchmarks/NOTES.md v30). With both, every recorded
-# forward builds with at most 8 bytes of stack. Triton 3.6 keeps the measured choices below.
+# layout tried (64 to 1128 bytes; sm_90 builds of the H200's launches, benchmarks/NOTES.md v30). With both, every
+# recorded forward builds with at most 16 bytes of stack, and on the H200 (graph, fp16) cls-14's forward took 0.107 ->
+# 0.076 ms, det-s5's 0.159 -> 0.139, det-s4's 0.172 -> 0.160. Triton 3.6 keeps the measured choices below.
 WIDE_RUN_STORES = triton_version() > (3, 6)
 PER_IMAGE_RUN_STORES = triton_version() > (3, 6)
 
