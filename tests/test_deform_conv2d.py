@@ -330,15 +330,15 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
 
 # RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (WIDE_RUN_STORES on, off). 320 positions: the old
 # rule's 8-element runs for 16 bits; wide runs: up to 16 bytes of any dtype, as far as Ho*Wo and the tile both divide
-# (gcd(196, 64 or 128) = 4).
-RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, 0), (14, 14, 4): (4, 0)}
+# (gcd(196, 64 or 128) = 4); None: not run (the old rule stores no runs at 196 positions, so both calls would be alike).
+RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, None), (14, 14, 4): (4, None)}
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
-@pytest.mark.parametrize("wide", [True, False], ids=["wide-runs", "16-byte-runs"])
-@pytest.mark.parametrize("hw", [(16, 20), (14, 14)], ids=["16x20", "14x14"])
-def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, wide, hw, monkeypatch):
+@pytest.mark.parametrize("hw,wide", [((16, 20), True), ((16, 20), False), ((14, 14), True)],
+                         ids=["16x20-wide-runs", "16x20-16-byte-runs", "14x14-wide-runs"])  # 14x14 has no 16-byte runs
+def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, hw, wide, monkeypatch):
     """An NCHW output (unpacked segments: 16 channels) is stored in runs along each channel plane from whole tiles
     inside one image (RUN_STORE, _run_store: RUN_STORE_CASES), else from the accumulator's layout: the same bits either
     way, every element written (outputs poisoned), and the float64 reference's numbers. 3 images in 128-row tiles
