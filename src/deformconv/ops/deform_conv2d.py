@@ -109,9 +109,10 @@ CONTIGUOUS_FLAT_STORE = tl.constexpr(triton_version() > (3, 6))
 # spilled 312 bytes a thread and ran 902 SASS instructions a K step (72 more shuffles, 64 selects), against 3.6's 0 and
 # 612; with the pair axis outermost 3.8 builds it with 72 and 669, hires-g8's grad_input kernel in 128 registers
 # instead of 167 (sm_90 builds of the H200's launches: experiments/launch_builds.py, benchmarks/NOTES.md v29). The
-# positions go next to the channels ([2, NSEG, BM, SEG]): as [2, BM, NSEG, SEG] 3.8 spread the packed segments (NSEG > 1,
-# hires-g8) over a warp's lanes, and each K step of the forward converted the [BM, NSEG] sample points' layout through
-# shared memory (18 barriers a step against 3.6's 2; 2 again with the positions inner, v30).
+# positions go next to the channels ([2, NSEG, BM, SEG]): as [2, BM, NSEG, SEG] 3.8 spread the packed segments
+# (NSEG > 1, hires-g8) over a warp's lanes, and each K step of the forward converted the [BM, NSEG] sample points'
+# layout through shared memory (18 barriers a step against 3.6's 2; 2 again with the positions inner, v30: hires-g8's
+# forward 0.452 -> 0.355 ms on the H200, 3.6 0.357).
 PAIR_AXIS_OUTER = tl.constexpr(triton_version() > (3, 6))
 
 
@@ -170,7 +171,8 @@ def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, dtype
     gains with packed segments (hires-g8 fp16 0.455 -> 0.425 ms, fp32 -2%, bf16 -2%) and with small images
     (Ho*Wo <= 2 tiles: 6%), and lost 10% at det-s3 (v5). With the forward's vectorised NCHW stores (run_store, see
     _run_store) that turned (v23, graph): det-s3's 128-row tiles 0.224 -> 0.218 ms fp16, 0.225 -> 0.217 bf16 (flat
-    tiles spill 304 bytes in that epilogue, per-image 8); det-s4's 64-row tiles +0.5%, so 128-row tiles only."""
+    tiles spill 304 bytes in that epilogue, per-image 8); det-s4's 64-row tiles +0.5%, so 128-row tiles only. On
+    Triton newer than 3.6, every forward with a run store (PER_IMAGE_RUN_STORES, see there)."""
     flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
     if 3 * (_m_tiles(geo, block_m, True) - flat) > flat:
         return False
