@@ -1,6 +1,8 @@
 """Shared test set-up: Triton's interpreter on CPU-only machines, the tolerance table, input makers."""
 
+import contextlib
 import os
+import types
 from contextlib import contextmanager
 
 import pytest
@@ -13,6 +15,9 @@ if not torch.cuda.is_available():
 
 HAS_CUDA = torch.cuda.is_available()
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+# Triton kernels on CPU tensors (the layout kernels forced onto the CPU) need the interpreter
+requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+                                          reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -109,20 +114,37 @@ def make_case(n, cin, cout, h, w, kh, kw, groups=1, offset_groups=1, stride=1, p
     return (x, offset, weight, b), dict(stride=(sh, sw), padding=(ph, pw), dilation=(dh, dw), mask=m)
 
 
-def force_tma(kernels, monkeypatch, tma):
-    """Every kernel of deformconv.ops.deform_conv2d (`kernels`) launched with its default config, Config.tma set to
-    `tma`; no plans or choices kept."""
-    import dataclasses
+@pytest.fixture
+def forced():
+    """forced(**changes): deformconv.config.options.override(**changes) until the test ends (caches emptied on the
+    way in and out). Calls nest; each is undone in reverse order."""
+    from deformconv.config import options
 
-    for name in ("_fwd_candidates", "_bwd_data_candidates", "_bwd_weight_candidates"):
-        real = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _real=real: [dataclasses.replace(_real(*a)[0], tma=tma)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(options.override(**changes))
+
+
+def kernel_modules():
+    """The Triton backend's modules of deform_conv2d, by short name (imported here: tests that need them)."""
+    import importlib
+
+    names = ("configs", "geometry", "schedule", "packing", "forward", "backward", "backward_data", "backward_weight",
+             "tiles")
+    mods = {n: importlib.import_module(f"deformconv.ops.deform_conv2d.{n}") for n in names}
+    for n in ("launch", "layout", "sampling"):
+        mods[n] = importlib.import_module(f"deformconv.ops.common.{n}")
+    return types.SimpleNamespace(**mods)
+
+
+def plans():
+    """The launch plans made so far (forward and backward)."""
+    from deformconv.config import options
+
+    return list(options.cache("plans").values())
 
 
 class CountingKernel:
-    """A Triton kernel stand-in (monkeypatched over one in deformconv.ops.deform_conv2d) that records each launch
+    """A Triton kernel stand-in (monkeypatched over one in the module that launches it) that records each launch
     (its grid) in log and runs the kernel."""
 
     def __init__(self, kernel, log):
@@ -133,13 +155,14 @@ class CountingKernel:
         return self.kernel[grid]
 
 
-def launch_metas(kernels):
+def launch_metas():
     """The meta-parameters (constexprs) of the planned launches, forward then grad_input then grad_weight kernel."""
-    launches = [plan[kind] for plan in kernels._PLANS.values() for kind in ("fwd", "data", "weight") if kind in plan]
-    return [(run[1] if isinstance(run, tuple) else run).meta for run in launches]  # weight plans: (split, launch)
+    launches = [getattr(plan, kind) for plan in plans() for kind in ("launch", "data", "weight")
+                if getattr(plan, kind, None) is not None]
+    return [run.meta for run in launches]
 
 
-# _finish_grads cases: (conv groups, grad_weight's partials or None, grad_bias's partials or None, weight layout)
+# finish_grads cases: (conv groups, grad_weight's partials or None, grad_bias's partials or None, weight layout)
 FINISH_CASES = [(1, 3, 5, "contiguous"), (2, 1, 7, "channels_last"), (3, 4, None, "channels_last"), (1, None, 2, "contiguous"),
                 (2, 2, 75, "contiguous")]
 FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups3-split4-no-bias-channels-last",
@@ -147,11 +170,11 @@ FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups
 
 
 def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
-    """_finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
+    """finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
     (inverse of pack_weight) and cast: bitwise the sequential fp32 sum rounded to dtype. grad_bias is its partials'
     sum (32 rows a step: hundreds of partials where a transpose made them), cast: the float64 sum's within fp32
     rounding and dtype's, the same bits on a second call. Every element written (the outputs come from NaN-filled allocations)."""
-    from deformconv.ops import deform_conv2d as kernels
+    from deformconv.ops.deform_conv2d import backward_weight as kernels
 
     cout, cin_g, kh, kw = 6 * groups, 5, 3, 2
     g = torch.Generator().manual_seed(groups * 100 + (split_w or 0) * 10 + (split_b or 0))
@@ -161,7 +184,7 @@ def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
     pw = None if split_w is None else torch.randn(split_w, groups, kh * kw, cin_g, cout // groups, generator=g).to(device)
     pb = None if split_b is None else torch.randn(split_b, cout, generator=g).to(device)
     with nan_filled_empty():
-        gw, gb = kernels._finish_grads(weight, pw, pb)
+        gw, gb = kernels.finish_grads(weight, pw, pb)
 
     def in_order(parts):
         total = parts[0].clone()
@@ -182,4 +205,4 @@ def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
         assert gb.dtype == dtype and not torch.isnan(gb).any()
         # rounding to dtype (eps relative), plus the fp32 sum's own error (|partials| < 6 here: 1e-6 a term)
         torch.testing.assert_close(gb.double(), pb.double().sum(0), atol=1e-6 * split_b, rtol=torch.finfo(dtype).eps)
-        assert torch.equal(kernels._finish_grads(weight, pw, pb)[1], gb)
+        assert torch.equal(kernels.finish_grads(weight, pw, pb)[1], gb)

@@ -5,12 +5,14 @@ import contextlib
 import random
 import zlib
 
+import dataclasses
+
 import pytest
 import torch
 
 import deformconv
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, CountingKernel, assert_close, assert_near_rounding,
-                      check_finish_grads, force_tma, launch_metas, make_case, nan_filled_empty)
+                      check_finish_grads, kernel_modules, launch_metas, make_case, nan_filled_empty, plans)
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -264,7 +266,7 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6)
 
 
-def test_only_required_gradients_are_computed(monkeypatch):
+def test_only_required_gradients_are_computed(monkeypatch, forced):
     """The backward op is asked only for the gradients autograd needs."""
     from deformconv.backends import BACKENDS as REGISTRY
 
@@ -314,16 +316,13 @@ TRITON_BACKENDS = [p for p in BACKENDS if p.values[0] == "triton"]
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat-grad-out-reloaded"])
 @pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "og4-packed-segments", "groups2-og4-packed-tail"])
-def test_position_tilings(backend, dtype, per_image, config, monkeypatch):
+def test_position_tilings(backend, dtype, per_image, config, monkeypatch, forced):
     """Both ways of tiling the output positions (M tiles inside one image, or across images), the second
     with grad_out re-read per K chunk in the grad_input kernel instead of held, give the oracle's forward
     and gradients, with 3 images so that flat tiles straddle image boundaries."""
-    from deformconv.ops import deform_conv2d as kernels
-
-    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
+    forced(per_image=per_image)
     if not per_image:
-        monkeypatch.setattr(kernels, "go_resident", lambda *args: False)
-    monkeypatch.setattr(kernels, "_PLANS", {})  # plans made under the other choices must not be reused
+        forced(go_resident=False)
     args, kwargs = make_case(**dict(CONFIGS[config], n=3), dtype=dtype, seed=zlib.crc32(config.encode()) % 997)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
@@ -338,25 +337,24 @@ RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, No
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
 @pytest.mark.parametrize("hw,wide", [((16, 20), True), ((16, 20), False), ((14, 14), True)],
                          ids=["16x20-wide-runs", "16x20-16-byte-runs", "14x14-wide-runs"])  # 14x14 has no 16-byte runs
-def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, hw, wide, monkeypatch):
+def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, hw, wide, monkeypatch, forced):
     """An NCHW output (unpacked segments: 16 channels) is stored in runs along each channel plane from whole tiles
-    inside one image (RUN_STORE, _run_store: RUN_STORE_CASES), else from the accumulator's layout: the same bits either
+    inside one image (RUN_STORE, run_store_length: RUN_STORE_CASES), else from the accumulator's layout: the same bits either
     way, every element written (outputs poisoned), and the float64 reference's numbers. 3 images in 128-row tiles
     (fp32: 64); 196 positions divide into neither, so per-image tiles end in a partial tile and flat tiles straddle
     images."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
-    monkeypatch.setattr(kernels, "WIDE_RUN_STORES", wide)
+    forced(per_image=per_image)
+    forced(profile=dataclasses.replace(kernels.forward.codegen_profile(), wide_run_stores=wide))
     h, w = hw
     args, kwargs = make_case(n=3, cin=16, cout=8, h=h, w=w, kh=3, kw=3, padding=1, dtype=dtype, seed=31)
     outs, metas = [], []
     for runs in (True, False):
-        monkeypatch.setattr(kernels, "RUN_STORES", runs)
-        monkeypatch.setattr(kernels, "_PLANS", {})
+        forced(run_stores=runs)
         with nan_filled_empty():
             outs.append(deformconv.deform_conv2d(*args, **kwargs, backend=backend))
-        metas.append(launch_metas(kernels)[0])
+        metas.append(launch_metas()[0])
     run = RUN_STORE_CASES[(h, w, dtype.itemsize)][0 if wide else 1]
     assert [(m["RUN_STORE"], m["PER_IMAGE"]) for m in metas] == [(run, per_image), (0, per_image)]
     assert all(m["BLOCK_M"] in (64, 128) and m["BLOCK_M"] < h * w for m in metas)  # whole tiles among them
@@ -369,12 +367,10 @@ def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, hw, wide,
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 @pytest.mark.parametrize("config", ["og4-packed-segments", "groups2-og4-packed-tail"])
-def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config, monkeypatch):
+def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config, monkeypatch, forced):
     """Where segments are whole packed offset groups the kernels read the input (and accumulate grad_input)
     offset-grouped, [N, G, H, W, C/G]; forced to NHWC they compute the same numbers in the same order, so
     the output and every gradient agree bit for bit, and the grouped run matches the oracle."""
-    from deformconv.ops import deform_conv2d as kernels
-
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
     if layout == "channels_last":
         args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
@@ -382,13 +378,12 @@ def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config
     if layout == "channels_last":
         leaves[0] = _channels_last_leaf(leaves[0])
     run = lambda: _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)  # noqa: E731
-    monkeypatch.setattr(kernels, "_PLANS", {})
+    forced()
     out, grads = run()
-    assert any(plan.get("grouped") for plan in kernels._PLANS.values())
-    monkeypatch.setattr(kernels, "grouped_input", lambda *a: False)
-    monkeypatch.setattr(kernels, "_PLANS", {})
+    assert any(getattr(plan, "grouped", False) for plan in plans())
+    forced(grouped_input=False)
     out_nhwc, grads_nhwc = run()
-    assert not any(plan.get("grouped") for plan in kernels._PLANS.values())
+    assert not any(getattr(plan, "grouped", False) for plan in plans())
     torch.testing.assert_close(out, out_nhwc, atol=0, rtol=0)
     for name, g, g_nhwc in zip(GRAD_NAMES, grads, grads_nhwc):
         torch.testing.assert_close(g, g_nhwc, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
@@ -401,20 +396,17 @@ def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("split", [2, 4, 7], ids=["taps-split-2", "taps-split-4", "taps-split-7-some-empty"])
 @pytest.mark.parametrize("config", ["3x3-pad1", "nonsquare-og4", "og4-packed-segments", "groups2-og4-packed-tail"])
-def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, config, monkeypatch):
+def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, config, monkeypatch, forced):
     """The grad_input/offset/mask kernel with each M tile's taps split over `split` programs (Config.split)
     gives the oracle's gradients, also where some programs get no tap (nonsquare-og4 has 6)."""
-    import dataclasses
 
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    real = kernels._bwd_data_candidates
-    monkeypatch.setattr(kernels, "_bwd_data_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
+    forced(configs={"bwd_data": lambda c: dataclasses.replace(c, split=split)})
+    forced()
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
-    assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_data"] == [split]
+    assert [cfg.split for key, cfg in kernels.launch.chosen_configs().items() if key[0] == "bwd_data"] == [split]
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -425,25 +417,22 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
                                                   ("groups2-og4-packed-tail", "channels_last")],
                          ids=["3x3-pad1", "3x3-pad1-channels-last-weight", "zero-mask-no-bias",
                               "groups2-og4-packed-tail-channels-last-weight"])
-def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, weight_layout, config, monkeypatch):
+def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, weight_layout, config, monkeypatch, forced):
     """In a one-chunk backward whose grad_weight is split (fused_bias) the grad_weight kernel also sums grad_bias, in
     extra programs, into fp32 partials summed after, and no separate channel sum runs; with split 1 the channel sum
     does. Both give the oracle's gradients, with either weight layout (grad_weight comes back in the weight's); the
     fused sums with M tiles per image and flat (per_image: forced for every kernel; None: the heuristic's)."""
-    import dataclasses
 
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     if per_image is not None:
-        monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
-    real = kernels._bwd_weight_candidates
-    monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=split)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
+        forced(per_image=per_image)
+    forced(configs={"bwd_weight": lambda c: dataclasses.replace(c, split=split)})
+    forced()
     sums, finishes = [], []
-    real_sum, real_finish = kernels._channel_sum, kernels._finish_grads
-    monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
-    monkeypatch.setattr(kernels, "_finish_grads",
+    real_sum, real_finish = kernels.backward.channel_sum, kernels.backward.finish_grads
+    monkeypatch.setattr(kernels.backward, "channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
+    monkeypatch.setattr(kernels.backward, "finish_grads",
                         lambda w, pw, pb: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     leaves64 = _with_grad(args, kwargs, torch.float64)
@@ -453,8 +442,8 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
     has_bias = leaves64[3] is not None
     fused = has_bias and split > 1
     assert len(sums) == (1 if has_bias and not fused else 0)
-    assert [cfg.split for key, cfg in kernels.chosen_configs().items() if key[0] == "bwd_weight"] == [split]
-    metas = [m for m in launch_metas(kernels) if "NEED_BIAS" in m]
+    assert [cfg.split for key, cfg in kernels.launch.chosen_configs().items() if key[0] == "bwd_weight"] == [split]
+    metas = [m for m in launch_metas() if "NEED_BIAS" in m]
     assert [m["NEED_BIAS"] for m in metas] == [fused]
     # split 1: the kernel stores grad_weight itself, the finishing launch only sums the channel sum's partials (if a
     # bias); split 3: it finishes grad_weight, with grad_bias's partials where fused
@@ -464,22 +453,19 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("direct", [True, False], ids=["stored-by-its-kernel", "finished-from-partials"])
 @pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
-def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch):
+def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch, forced):
     """At split 1 in a one-chunk backward the grad_weight kernel writes grad_weight in the weight's layout and dtype
-    (DIRECT_GRAD_WEIGHT), or, turned off, fp32 partials that _finish_grads unpacks: the oracle's gradients either way,
+    (DIRECT_GRAD_WEIGHT), or, turned off, fp32 partials that finish_grads unpacks: the oracle's gradients either way,
     in the weight's memory format."""
-    import dataclasses
 
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    real = kernels._bwd_weight_candidates
-    monkeypatch.setattr(kernels, "_bwd_weight_candidates", lambda *a: [dataclasses.replace(real(*a)[0], split=1)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
-    monkeypatch.setattr(kernels, "DIRECT_GRAD_WEIGHT", direct)
+    forced(configs={"bwd_weight": lambda c: dataclasses.replace(c, split=1)})
+    forced()
+    forced(direct_grad_weight=direct)
     finishes = []
-    real_finish = kernels._finish_grads
-    monkeypatch.setattr(kernels, "_finish_grads",
+    real_finish = kernels.backward.finish_grads
+    monkeypatch.setattr(kernels.backward, "finish_grads",
                         lambda w, pw, pb: finishes.append(pw is not None) or real_finish(w, pw, pb))
     config = "groups2-og4-packed-tail"
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
@@ -506,19 +492,20 @@ def test_grad_weight_channels_last_weight_keeps_its_format(backend, dtype):
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-def test_backward_reuses_the_forward_packed_weight(backend, dtype, monkeypatch):
+def test_backward_reuses_the_forward_packed_weight(backend, dtype, monkeypatch, forced):
     """In eager autograd the backward takes the weight the forward packed (16-bit: the same layout) instead of packing
     it again; fp32's forward packs K-major, so its backward packs its own. Through the registered op (what
     torch.compile sees) every call packs. The gradients are the oracle's either way."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     packs = []
-    real = kernels.pack_weight
-    monkeypatch.setattr(kernels, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
+    real = kernels.packing.pack_weight
+    for module in (kernels.packing, kernels.backward):  # the forward's pack, and the backward's own
+        monkeypatch.setattr(module, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
     args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, seed=23)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
-    assert len(packs) == (2 if kernels.weight_k_major(dtype) else 1)
+    assert len(packs) == (2 if kernels.geometry.weight_k_major(dtype) else 1)
     packs.clear()
     leaves = _with_grad(args, kwargs, dtype)
     x, offset, weight, bias, mask = leaves
@@ -559,9 +546,9 @@ def test_kept_tensors_go_through_saved_tensor_hooks_and_checkpointing(backend, d
     for name, g, ref in zip(GRAD_NAMES, grads(run), grads(lambda layer, leaves: layer(*leaves))):
         torch.testing.assert_close(g, ref, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
     if wrapper == "saved-tensor-hooks":  # input, offset, weight, mask, and (Triton, 16-bit) the packed weight
-        from deformconv.ops import deform_conv2d as kernels
+        kernels = kernel_modules()
 
-        assert len(packed) == (5 if backend == "triton" and not kernels.weight_k_major(dtype) else 4)
+        assert len(packed) == (5 if backend == "triton" and not kernels.geometry.weight_k_major(dtype) else 4)
 
 
 # long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)
@@ -578,22 +565,19 @@ LONG_SEGMENT_CASES = {
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("ahead", [True, False], ids=["sample-ahead", "sample-in-step"])
 @pytest.mark.parametrize("config", list(LONG_SEGMENT_CASES), ids=list(LONG_SEGMENT_CASES))
-def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, config, monkeypatch):
+def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, config, monkeypatch, forced):
     """The forward with long segments, each (tap, segment) step's offsets and mask loaded one step ahead
     (Config.sample_ahead) or in the step, gives the oracle's output (and gradients) across tap, segment and conv
     group boundaries."""
-    import dataclasses
 
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    real = kernels._fwd_candidates
-    monkeypatch.setattr(kernels, "_fwd_candidates", lambda *a: [dataclasses.replace(real(*a)[0], sample_ahead=ahead)])
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
+    forced(configs={"fwd": lambda c: dataclasses.replace(c, sample_ahead=ahead)})
+    forced()
     cfg = LONG_SEGMENT_CASES[config]
     args, kwargs = make_case(**cfg, dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
-    assert [c.sample_ahead for key, c in kernels.chosen_configs().items() if key[0] == "fwd"] == [ahead]
+    assert [c.sample_ahead for key, c in kernels.launch.chosen_configs().items() if key[0] == "fwd"] == [ahead]
 
 
 WIDE_CASES = {  # >= 256 output channels a group: the wide tiles (see the GPU tests' shapes of the same names)
@@ -610,17 +594,16 @@ def _reference(x, offset, weight, bias, stride, padding, dilation, mask):
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", list(WIDE_CASES), ids=list(WIDE_CASES))
-def test_wide_configs(backend, dtype, config, monkeypatch):
+def test_wide_configs(backend, dtype, config, monkeypatch, forced):
     """The default configs for >= 256 output channels a group (the forward's 64x256 tile, grad_weight's 256-column
     tile, the grad_input kernel's 8-warp form at >= 512 without TMA, its 4-warp TMA form with whole chunks), with a
     partial last column tile at 520, give the float64 reference's output and gradients."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "_PLANS", {})
-    monkeypatch.setattr(kernels, "_TUNED", {})
+    forced()
     args, kwargs = make_case(**WIDE_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
-    used = {key[0]: cfg for key, cfg in kernels.chosen_configs().items()}
+    used = {key[0]: cfg for key, cfg in kernels.launch.chosen_configs().items()}
     assert used["fwd"].block_n == 256 and used["bwd_weight"].block_n == 256
     tma = WIDE_CASES[config]["cin"] % (32 if dtype == torch.float32 else 64) == 0  # whole chunks
     assert used["bwd_data"].tma == tma
@@ -642,22 +625,20 @@ TMA_CASES = {
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat"])
 @pytest.mark.parametrize("config", list(TMA_CASES), ids=list(TMA_CASES))
-def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkeypatch):
+def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkeypatch, forced):
     """With Config.tma the three kernels read their weight and grad_out tiles through TMA descriptors (emulated
     by the interpreter), in per-image or flat M tiles (grad_out's 3-d or 2-d descriptor): the output and every
     gradient equal those of pointer loads bit for bit, and the oracle's."""
-    from deformconv.ops import deform_conv2d as kernels
-
-    monkeypatch.setattr(kernels, "per_image_tiles", lambda *args: per_image)
+    forced(per_image=per_image)
     if not per_image:
-        monkeypatch.setattr(kernels, "go_resident", lambda *args: False)
+        forced(go_resident=False)
     args, kwargs = make_case(**TMA_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
     leaves = _with_grad(args, kwargs, dtype)
     results = {}
     for tma in (False, True):
-        force_tma(kernels, monkeypatch, tma)
+        forced(tma=tma)
         results[tma] = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
-        metas = launch_metas(kernels)
+        metas = launch_metas()
         assert len(metas) == 3
         assert all(m["TMA"] == tma for m in metas)
     (out, grads), (out_tma, grads_tma) = results[False], results[True]
@@ -669,14 +650,14 @@ def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkey
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "groups2-og2", "og4-packed-segments", "far-outside"])
-def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch):
+def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, config, monkeypatch, forced):
     """Under torch.use_deterministic_algorithms(True) grad_input goes through the kernel's int64 fixed-point
     scatter (a scale is found: not the reference's fallback), and every gradient still matches the oracle."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     scales = []
-    real = kernels._fixed_point_scales
-    monkeypatch.setattr(kernels, "_fixed_point_scales", lambda *a: scales.append(real(*a)) or scales[-1])
+    real = kernels.backward.fixed_point_scales
+    monkeypatch.setattr(kernels.backward, "fixed_point_scales", lambda *a: scales.append(real(*a)) or scales[-1])
     args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
     with _deterministic():
         _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
@@ -730,18 +711,17 @@ CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config,layout,deterministic", CHUNK_CASES)
-def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config, monkeypatch):
+def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config, monkeypatch, forced):
     """With the workspace budget forced down, the backward runs 2 + 2 + 1 images at a time (an uneven last
     chunk; grad_weight summed over chunks) and every gradient still matches the oracle."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
-    monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 2)  # one M tile per image at these sizes: 2 images
+    forced(default_workspace_budget=0.0, min_chunk_programs=2)  # one M tile per image at these sizes: 2 images
     # the chunks themselves: these tiny layers' weights are as large as their inputs, so by memory they would run whole
-    monkeypatch.setattr(kernels, "_chunked_weight_bytes", lambda *a: 0)
+    monkeypatch.setattr(kernels.schedule, "_chunked_weight_bytes", lambda *a: 0)
     chunks = []
-    real = kernels._backward_images
-    monkeypatch.setattr(kernels, "_backward_images", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
+    real = kernels.backward._backward_chunk
+    monkeypatch.setattr(kernels.backward, "_backward_chunk", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = make_case(**dict(CONFIGS[config], n=5), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if layout == "channels_last":
@@ -766,27 +746,27 @@ def _meta(shape, dtype, channels_last=False):
 def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, deterministic, images):
     """det-s3's shape (N=8, 128 channels, 100x152): the images per backward chunk keep the estimated scratch
     within WORKSPACE_BUDGET times the input; a small image count is raised to keep the GPU busy."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    kernels = kernel_modules()
     x = _meta((8, 128, 100, 152), dtype, channels_last)
     go = _meta((8, 128, 100, 152), dtype, channels_last)
-    assert kernels.backward_chunk_images(x, go, True, True, deterministic) == images
+    assert kernels.schedule.backward_chunk_images(x, go, True, True, deterministic) == images
     # without grad_input and grad_weight (grad_offset only), channels-last: there is no scratch to bound; with
     # grad_weight its fp32 partials count as the accumulator would (2 inputs' worth in fp16)
     cl = _meta((8, 128, 100, 152), dtype, True)
-    assert kernels.backward_chunk_images(cl, cl, False, False, False) == 8
-    assert kernels.backward_chunk_images(cl, cl, False, True, False) == (6 if dtype == torch.float16 else 8)
+    assert kernels.schedule.backward_chunk_images(cl, cl, False, False, False) == 8
+    assert kernels.schedule.backward_chunk_images(cl, cl, False, True, False) == (6 if dtype == torch.float16 else 8)
     # small images: a chunk keeps MIN_CHUNK_PROGRAMS M tiles (cls-14: 64 images of 14x14 -> 4 tiles each)
     small = _meta((64, 256, 14, 14), dtype, channels_last)
-    assert kernels.backward_chunk_images(small, small, True, True, deterministic) == 64
+    assert kernels.schedule.backward_chunk_images(small, small, True, True, deterministic) == 64
 
 
 def test_backward_chunk_images_counts_the_offset_grouped_copy():
     """hires-g8's shape channels-last in fp16: read NHWC in place, the scratch is the fp32 accumulator (2 inputs'
     worth: 12 of 16 images within 1.5x); read offset-grouped, the input's copy counts too (3 inputs' worth: 8)."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    kernels = kernel_modules()
     x = _meta((16, 64, 128, 128), torch.float16, True)
-    assert kernels.backward_chunk_images(x, x, True, True, False) == 12
-    assert kernels.backward_chunk_images(x, x, True, True, False, grouped=True) == 8
+    assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 12
+    assert kernels.schedule.backward_chunk_images(x, x, True, True, False, grouped=True) == 8
 
 
 @pytest.mark.parametrize("shape,dtype,channels_last,concurrent", [
@@ -798,56 +778,56 @@ def test_backward_chunk_images_counts_the_offset_grouped_copy():
                                                          # an input element against the budget's 6
     ((1, 64, 160, 208), torch.float16, True, False),     # one image of 520 tiles: one chunk, but not small
 ], ids=["det-s4", "cls-14", "det-s5-fp32-channels-last", "det-s3", "det-s3-fp32-channels-last", "one-large-image"])
-def test_concurrent_backward_where_the_batch_is_small(shape, dtype, channels_last, concurrent, monkeypatch):
+def test_concurrent_backward_where_the_batch_is_small(shape, dtype, channels_last, concurrent, monkeypatch, forced):
     """grad_weight runs beside the grad_input kernel (on a side stream) where the whole batch has at most
     MIN_CHUNK_PROGRAMS M tiles, or where the budget admits the whole batch with grad_weight's partials beside the
     accumulator; then the backward is one chunk. Only when both kernels run."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
-    monkeypatch.setattr(kernels, "side_streams_usable", lambda device: True)  # the meta device stands for CUDA
+    kernels = kernel_modules()
+    monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)  # the meta device stands for CUDA
     x, go = _meta(shape, dtype, channels_last), _meta(shape, dtype, channels_last)
-    assert kernels.concurrent_backward(x, go, True, True, True, False) == concurrent
+    assert kernels.schedule.concurrent_backward(x, go, True, True, True, False) == concurrent
     if concurrent:
-        assert kernels.backward_chunk_images(x, go, True, True, False, concurrent=True) == shape[0]
-    assert not kernels.concurrent_backward(x, go, True, True, False, False)   # no grad_weight
-    assert not kernels.concurrent_backward(x, go, False, False, True, False)  # grad_weight alone
+        assert kernels.schedule.backward_chunk_images(x, go, True, True, False, concurrent=True) == shape[0]
+    assert not kernels.schedule.concurrent_backward(x, go, True, True, False, False)   # no grad_weight
+    assert not kernels.schedule.concurrent_backward(x, go, False, False, True, False)  # grad_weight alone
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")  # any whole batch admitted
-    assert kernels.concurrent_backward(x, go, True, True, True, False)
+    assert kernels.schedule.concurrent_backward(x, go, True, True, True, False)
 
 
-def test_side_streams_only_on_cuda(monkeypatch):
+def test_side_streams_only_on_cuda(monkeypatch, forced):
     """The side stream is a CUDA stream (the interpreter's CPU tensors never take it); DEFORMCONV_BACKWARD_STREAMS=0
     turns it off."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    kernels = kernel_modules()
     monkeypatch.delenv("DEFORMCONV_BACKWARD_STREAMS", raising=False)
-    assert kernels.side_streams_usable(torch.device("cuda"))
-    assert not kernels.side_streams_usable(torch.device("cpu"))
+    assert kernels.schedule.side_streams_usable(torch.device("cuda"))
+    assert not kernels.schedule.side_streams_usable(torch.device("cpu"))
     monkeypatch.setenv("DEFORMCONV_BACKWARD_STREAMS", "0")
-    assert not kernels.side_streams_usable(torch.device("cuda"))
+    assert not kernels.schedule.side_streams_usable(torch.device("cuda"))
 
 
-def test_workspace_budget_from_the_environment(monkeypatch):
+def test_workspace_budget_from_the_environment(monkeypatch, forced):
     """DEFORMCONV_WORKSPACE_BUDGET overrides the default budget ("inf": the whole batch) and is kept even where
     chunks get small; anything that is not a number >= 0 is refused, naming the variable."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    kernels = kernel_modules()
     x = _meta((8, 128, 100, 152), torch.float16)
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "inf")
-    assert kernels.backward_chunk_images(x, x, True, True, False) == 8
+    assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 8
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
-    assert kernels.backward_chunk_images(x, x, True, True, False) == 4
+    assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 4
     # a budget set here is kept below the MIN_CHUNK_PROGRAMS floor: cls-14's 64 small images (8 bytes of scratch an
     # fp16 input element: 1.5 x 2 / 8 of the batch) run in chunks of 24, not whole, and without the side stream
-    monkeypatch.setattr(kernels, "side_streams_usable", lambda device: True)
+    monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)
     small = _meta((64, 256, 14, 14), torch.float16)
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "1.5")
-    assert kernels.backward_chunk_images(small, small, True, True, False) == 24
-    assert not kernels.concurrent_backward(small, small, True, True, True, False)
+    assert kernels.schedule.backward_chunk_images(small, small, True, True, False) == 24
+    assert not kernels.schedule.concurrent_backward(small, small, True, True, True, False)
     monkeypatch.delenv("DEFORMCONV_WORKSPACE_BUDGET")
-    assert kernels.backward_chunk_images(small, small, True, True, False) == 64
-    assert kernels.concurrent_backward(small, small, True, True, True, False)
+    assert kernels.schedule.backward_chunk_images(small, small, True, True, False) == 64
+    assert kernels.schedule.concurrent_backward(small, small, True, True, True, False)
     for bad in ("lots", "-1", "nan"):
         monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", bad)
         with pytest.raises(ValueError, match=r"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 .* got '"):
-            kernels.backward_chunk_images(x, x, True, True, False)
+            kernels.schedule.backward_chunk_images(x, x, True, True, False)
 
 
 @pytest.mark.parametrize("shape,budget,images", [
@@ -857,19 +837,19 @@ def test_workspace_budget_from_the_environment(monkeypatch):
     ((64, 256, 14, 14), "2", 32),  # cls-14: chunks of 32 (5.5x -> 3.0x)
     ((64, 256, 14, 14), "3", 48),
 ], ids=["det-s5-2", "det-s5-0.5", "det-s4-2", "cls-14-2", "cls-14-3"])
-def test_backward_chunks_only_where_they_save_memory(shape, budget, images, monkeypatch):
+def test_backward_chunks_only_where_they_save_memory(shape, budget, images, monkeypatch, forced):
     """With grad_weight, chunks sum it over the batch in fp32 (a running sum, a chunk's sum and split partials of at
     least 4 weights' worth: _chunked_weight_bytes); where that takes what the chunks free, the batch runs whole.
     Without grad_weight, or without the weight's size given, the budget alone decides (det-s5: 4 images at 2)."""
-    kernels = pytest.importorskip("deformconv.ops.deform_conv2d")
+    kernels = kernel_modules()
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", budget)
     n, c, h, w = shape
     x = _meta(shape, torch.float16)
     weight_elems = c * c * 9
-    assert kernels.backward_chunk_images(x, x, True, True, False, weight_elems=weight_elems) == images
-    by_budget = kernels.backward_chunk_images(x, x, True, True, False)
+    assert kernels.schedule.backward_chunk_images(x, x, True, True, False, weight_elems=weight_elems) == images
+    by_budget = kernels.schedule.backward_chunk_images(x, x, True, True, False)
     assert by_budget == (images if images < n else {"2": 4, "0.5": 1}[budget])
-    assert kernels.backward_chunk_images(x, x, True, False, False, weight_elems=weight_elems) == by_budget
+    assert kernels.schedule.backward_chunk_images(x, x, True, False, False, weight_elems=weight_elems) == by_budget
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -899,7 +879,7 @@ def test_bias_gradient_alone(backend, dtype, layout):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)
 def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
-    """_finish_grads on the CPU (interpreter): see conftest.check_finish_grads. bf16 on the GPU only: the
+    """finish_grads on the CPU (interpreter): see conftest.check_finish_grads. bf16 on the GPU only: the
     interpreter's fp32 -> bf16 cast rounds otherwise than torch's (1 ulp apart in 40% of elements, measured)."""
     check_finish_grads("cpu", dtype, *case)
 
@@ -909,30 +889,27 @@ def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
     ("3x3-pad1", "nchw", False), ("og4-packed-segments", "nchw", False), ("3x3-pad1", "nchw", True),
     ("3x3-pad1", "channels_last", False)], ids=["nchw", "offset-grouped", "nchw-deterministic", "channels-last-input"])
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
-def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch):
+def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch, forced):
     """With the layout copies through _transpose_kernel as on the GPU (LAYOUT_KERNELS_ON_CPU; the CPU otherwise uses
     torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a channels-last
     input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no channel-sum
     launch, no bias rows in the grad_weight kernel), the two passes run in one _transpose_pair_kernel launch where
     both exist (PAIRED_TRANSPOSES; else one launch each), and every gradient is the oracle's."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "LAYOUT_KERNELS_ON_CPU", True)
-    monkeypatch.setattr(kernels, "PAIRED_TRANSPOSES", paired)
-    for cache in ("_PLANS", "_TRANSPOSES", "_TRANSPOSE_PAIRS"):  # cached launches would not be counted
-        monkeypatch.setattr(kernels, cache, {})
+    forced(layout_kernels_on_cpu=True, paired_transposes=paired)  # and no cached launches: all are counted
     passes, sums = [], []
     launches = {name: [] for name in ("_transpose_kernel", "_transpose_pair_kernel")}
     for name, log in launches.items():
-        monkeypatch.setattr(kernels, name, CountingKernel(getattr(kernels, name), log))
-    real_transpose, real_sum = kernels._transpose_last, kernels._channel_sum
+        monkeypatch.setattr(kernels.layout, name, CountingKernel(getattr(kernels.layout, name), log))
+    real_transpose, real_sum = kernels.layout.transpose_last, kernels.backward.channel_sum
 
     def transpose(src, a, b, out, zero=None, sums=None, jobs=None):
         passes.append((None if zero is None else zero.dtype, sums is not None))
         return real_transpose(src, a, b, out, zero, sums, jobs)
 
-    monkeypatch.setattr(kernels, "_transpose_last", transpose)
-    monkeypatch.setattr(kernels, "_channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
+    monkeypatch.setattr(kernels.layout, "transpose_last", transpose)
+    monkeypatch.setattr(kernels.backward, "channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 967)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     assert leaves64[3] is not None  # a bias
@@ -943,7 +920,7 @@ def test_backward_through_the_layout_kernels(backend, dtype, config, input_layou
     zeroed = [z for z, _ in passes if z is not None]
     assert zeroed == ([] if input_layout == "channels_last" else [torch.int64 if deterministic else torch.float32])
     assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (_run's grad_out is NCHW)
-    assert [m["NEED_BIAS"] for m in launch_metas(kernels) if "NEED_BIAS" in m] == [False]
+    assert [m["NEED_BIAS"] for m in launch_metas() if "NEED_BIAS" in m] == [False]
     # the forward's input pass is fused with its weight pack (_pack_and_transpose_kernel); the backward's two
     # passes (an NCHW input's and grad_out's) pair up, grad_input's accumulator goes back in a pass of its own
     nchw = input_layout == "nchw"
@@ -958,11 +935,11 @@ def test_backward_through_the_layout_kernels(backend, dtype, config, input_layou
 def test_transpose_kernel_sizes_its_tiles_to_a_short_side(n, a, b):
     """The layout-copy kernel (NCHW <-> NHWC, NCHW <-> offset-grouped, with a dtype cast): a side of a few
     elements (an offset group's 8 channels) gets its own tile size, either way round; every element lands."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     src = torch.randn(n, a, b, generator=torch.Generator().manual_seed(a * b), dtype=torch.float32)
     out = torch.full((n, b, a), float("nan"), dtype=torch.float16)
-    kernels._transpose_last(src, a, b, out)
+    kernels.layout.transpose_last(src, a, b, out)
     torch.testing.assert_close(out, src.transpose(1, 2).to(torch.float16), atol=0, rtol=0)
 
 
@@ -973,16 +950,16 @@ def test_transpose_kernel_zeroes_and_sums_on_the_way(n, a, b, zero_dtype):
     """The transpose pass's two extras (the backward's): a buffer of the output's size zeroed (grad_input's fp32 or
     int64 accumulator, poisoned here), and the source's fp32 sums over b by the pass's tiles (grad_bias's partials):
     their total is the full sum, and each row sums its own tile of b."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     src = torch.randn(n, a, b, generator=torch.Generator().manual_seed(a + b)).to(torch.float16)
     out = torch.full((n, b, a), float("nan"), dtype=torch.float16)
     zero = torch.full((n, b, a), -7, dtype=zero_dtype)
-    sums = torch.full((n, kernels._transpose_sum_rows(a, b), a), float("nan"), dtype=torch.float32)
-    kernels._transpose_last(src, a, b, out, zero=zero, sums=sums)
+    sums = torch.full((n, kernels.layout.transpose_sum_rows(a, b), a), float("nan"), dtype=torch.float32)
+    kernels.layout.transpose_last(src, a, b, out, zero=zero, sums=sums)
     torch.testing.assert_close(out, src.transpose(1, 2), atol=0, rtol=0)
     assert torch.equal(zero, torch.zeros_like(zero))
-    block_b = kernels._transpose_blocks(a, b)[1]
+    block_b = kernels.layout.transpose_blocks(a, b)[1]
     want = torch.stack([src[:, :, i:i + block_b].float().sum(-1) for i in range(0, b, block_b)], 1)
     assert want.shape == sums.shape
     torch.testing.assert_close(sums, want, atol=1e-5, rtol=1e-5)

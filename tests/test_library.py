@@ -4,11 +4,12 @@ import pytest
 import torch
 
 import deformconv
-from conftest import make_case
+from conftest import HAS_CUDA, make_case
 
 
-def _op_args(backend="reference", dtype=torch.float64, mask="random", seed=0):
-    args, kw = make_case(2, 4, 6, 6, 7, 3, 3, groups=2, offset_groups=2, padding=1, mask=mask, dtype=dtype, seed=seed)
+def _op_args(backend="reference", dtype=torch.float64, mask="random", seed=0, device="cpu"):
+    args, kw = make_case(2, 4, 6, 6, 7, 3, 3, groups=2, offset_groups=2, padding=1, mask=mask, dtype=dtype, seed=seed,
+                         device=device)
     x, offset, weight, bias = (t.requires_grad_(True) for t in args)
     m = kw["mask"].requires_grad_(True) if kw["mask"] is not None else None
     return (x, offset, weight, bias, m, [1, 1], [1, 1], [1, 1], backend)
@@ -98,7 +99,9 @@ def test_autocast_accepts_mixed_input_dtypes():
 
 
 def _grads_of(fn, backend):
-    x, offset, weight, bias, m, s, p, d, _ = _op_args(backend=backend, dtype=torch.float32 if backend == "triton" else torch.float64, seed=7)
+    triton = backend == "triton"  # on the GPU where there is one, else under the interpreter
+    x, offset, weight, bias, m, s, p, d, _ = _op_args(backend=backend, dtype=torch.float32 if triton else torch.float64,
+                                                      seed=7, device="cuda" if triton and HAS_CUDA else "cpu")
     out = fn(x, offset, weight, bias, m, s, p, d, backend)
     grad_out = torch.randn_like(out)
     out.backward(grad_out)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from . import config
 
 ENV_VAR = "DEFORMCONV_BACKEND"
 
@@ -52,12 +53,12 @@ class ReferenceBackend(Backend):
         return []
 
     def forward(self, *args, keep=None):
-        from .ops import reference
+        from .ops.deform_conv2d import reference
 
         return reference.deform_conv2d_forward(*args)
 
     def backward(self, *args, keep=None):
-        from .ops import reference
+        from .ops.deform_conv2d import reference
 
         return reference.deform_conv2d_backward(*args)
 
@@ -78,7 +79,7 @@ def _triton_import_error() -> Optional[str]:
 
 def triton_interpret_mode() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1 at import time)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return config.triton_interpret()
 
 
 class TritonBackend(Backend):
@@ -123,17 +124,17 @@ class TritonBackend(Backend):
         return torch.device(device).type == "cuda"
 
     def forward(self, input, *args, keep=None):
-        from .ops import deform_conv2d
+        from .ops.deform_conv2d.forward import deform_conv2d_forward
 
         with _on_device_of(input):
-            return deform_conv2d.deform_conv2d_forward(input, *args, keep=keep)
+            return deform_conv2d_forward(input, *args, keep=keep)
 
     def backward(self, grad_out, input, *args, keep=None):
-        from .ops import deform_conv2d
+        from .ops.deform_conv2d.backward import deform_conv2d_backward
 
         with _on_device_of(input):
-            return deform_conv2d.deform_conv2d_backward(grad_out, input, *args,
-                                                        packed_weight=keep.get("packed_weight") if keep else None)
+            return deform_conv2d_backward(grad_out, input, *args,
+                                          packed_weight=keep.get("packed_weight") if keep else None)
 
 
 def _on_device_of(t: torch.Tensor):
@@ -165,7 +166,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: Optional
     """The name of the backend that runs a call on (device, dtype)."""
     source = "backend="
     if requested is None:
-        requested = os.environ.get(ENV_VAR) or None
+        requested = config.backend()
         source = f"{ENV_VAR}="
     if requested is not None:
         if requested == "auto":

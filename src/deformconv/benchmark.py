@@ -208,7 +208,7 @@ def _measure(rec: dict, fn, shape: Shape, dtype: torch.dtype, device: torch.devi
 
 def _chosen_configs() -> dict:
     try:
-        from deformconv.ops.deform_conv2d import chosen_configs
+        from deformconv.ops.common.launch import chosen_configs
     except Exception:  # no Triton here
         return {}
     return chosen_configs()

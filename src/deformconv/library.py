@@ -10,18 +10,18 @@ runs the same two functions without the custom-op dispatcher.
 from __future__ import annotations
 
 import functools
-import os
 from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .backends import ENV_VAR, get_backend, select_backend
+from . import config
+from .backends import get_backend, select_backend
 from .checks import geometry_from_tensors, suggest_memory_format
 
 
 def _backend_for(t: Tensor, requested: str):
-    env = (os.environ.get(ENV_VAR), os.environ.get("TRITON_INTERPRET"))
+    env = (config.backend(), config.triton_interpret())
     return _selected(t.device, t.dtype, requested or None, env)
 
 

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import deformconv
-    from deformconv.backends import ENV_VAR, not_supported_reasons, select_backend, triton_interpret_mode
+    from deformconv.backends import not_supported_reasons, select_backend, triton_interpret_mode
     import os
 
     print(f"deformconv  {deformconv.__version__}")
@@ -40,15 +40,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"device {d}: {name}{extra}")
     if triton_interpret_mode():
         print("TRITON_INTERPRET=1: Triton kernels run in the CPU interpreter (slow; for testing)")
-    if os.environ.get(ENV_VAR):
-        print(f"{ENV_VAR}={os.environ[ENV_VAR]} overrides the automatic choice")
-    settings = {
-        "DEFORMCONV_AUTOTUNE": "time up to 4 kernel configs per new shape class (default 0: heuristic config)",
-        "DEFORMCONV_FAST_LAUNCH": "relaunch compiled Triton kernels directly (default 1)",
-    }
-    for name, what in settings.items():
-        if name in os.environ:
-            print(f"{name}={os.environ[name]}: {what}")
+    from deformconv.config import ENVIRONMENT
+
+    for name, var in ENVIRONMENT.items():
+        if os.environ.get(name):
+            print(f"{name}={os.environ[name]}: {var.effect}")
     print()
     print(f"{'device':<8} {'dtype':<10} {'backend':<10} why others cannot run")
     for d in devices:

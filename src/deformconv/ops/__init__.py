@@ -1,1 +1,2 @@
-"""Implementations: ``reference`` (plain PyTorch, the oracle) and ``deform_conv2d`` (Triton kernels)."""
+"""The operators' implementations, one folder per op family (its reference, kernels, configs and launchers), and
+``common``: what the families share (bilinear sampling helpers, layout kernels, launch machinery)."""

@@ -26,7 +26,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
-from ..checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
+from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 
 COLUMN_BUDGET = 1 << 24  # elements of one chunk's column tensor
 

@@ -5,12 +5,15 @@ deterministic mode; a short training run."""
 import math
 import random
 
+import dataclasses
+
 import pytest
 import torch
 
 import deformconv
+from deformconv.config import options
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, HAS_CUDA, assert_close, assert_near_rounding, check_finish_grads,
-                      force_tma, launch_metas, make_case, nan_filled_empty)
+                      kernel_modules, launch_metas, make_case, nan_filled_empty)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -37,7 +40,7 @@ SHAPES = {
     # 65 positions an image: both backward kernels tile M flat (per_image_tiles), so grad_out's TMA tiles come
     # through the 2-d [M, Cout] descriptor and cross image boundaries
     "flat-tiles-tma": (6, 64, 256, 5, 13, 3, 3, 1, 1, 1, 1, 1, "random"),
-    # Ho*Wo a multiple of 8 (not of 16): a 16-bit NCHW output stored in 8-element runs (_run_store), from 128-row
+    # Ho*Wo a multiple of 8 (not of 16): a 16-bit NCHW output stored in 8-element runs (run_store_length), from 128-row
     # tiles per image (the last one partial), and from flat 64-row tiles (256 columns) that straddle images
     "runs-per-image": (2, 64, 64, 24, 44, 3, 3, 1, 1, 1, 1, 1, "random"),
     "runs-flat-wide": (3, 64, 256, 12, 18, 3, 3, 1, 1, 1, 1, 1, "random"),
@@ -199,12 +202,10 @@ def test_random_layers_match_float64_reference(seed):
                                         (torch.float32, True)], ids=["float16", "bfloat16", "float32", "float32-tf32"])
 @pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64", "cout-512-tma",
                                    "flat-tiles-tma"])
-def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
+def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch, forced):
     """Every kernel's default config with Config.tma forced on, then off: the forward and grad_weight equal bit for
     bit (the same products in the same order), and both runs match the float64 reference (in TF32, as fp32 runs
     by default: within TF32's error)."""
-    from deformconv.ops import deform_conv2d as kernels
-
     torch.backends.cudnn.allow_tf32 = tf32  # the autouse fixture restores it
     args, kwargs = _case(shape, dtype, seed=17)
     ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
@@ -218,13 +219,12 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
 
     runs = {}
     for tma in (True, False):
-        force_tma(kernels, monkeypatch, tma)
-        runs[tma] = _fwd_bwd(args, kwargs, "triton")
-        metas = launch_metas(kernels)
+        with options.override(tma=tma):
+            runs[tma] = _fwd_bwd(args, kwargs, "triton")
+            metas = launch_metas()
         assert len(metas) == 3 and all(m["TMA"] == tma for m in metas)
         if shape == "flat-tiles-tma":  # both backward kernels tile M flat: the 2-d grad_out descriptor
             assert [m["PER_IMAGE"] for m in metas[1:]] == [False, False]
-        monkeypatch.undo()
         out, grads = runs[tma]
         check(out, ref, f"output (tma={tma})")
         for name, g, r in zip(NAMES, grads, ref_grads):
@@ -237,27 +237,25 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("wide", [False, True], ids=["16-byte-runs", "wide-runs"])
 @pytest.mark.parametrize("shape", ["runs-per-image", "runs-flat-wide", "det-like", "og8-packed-segments"])
-def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, wide, dtype, monkeypatch):
+def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, wide, dtype, monkeypatch, forced):
     """The forward with its NCHW output stored in runs (RUN_STORES) and the weight packed in the input's transpose
     launch (FUSED_PREP), then with both off: the same bits, and the float64 reference's numbers. The run stores
     apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or (WIDE_RUN_STORES) to any
     output with unpacked segments, in runs of the largest power of two dividing Ho*Wo and the tile, up to 16 bytes;
     the fused pass to every NCHW input."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "WIDE_RUN_STORES", wide)
+    forced(profile=dataclasses.replace(kernels.forward.codegen_profile(), wide_run_stores=wide))
     args, kwargs = _case(shape, dtype, seed=23)
     ref = deformconv.deform_conv2d(*[t.double() if t is not None else None for t in args],
                                    **dict(kwargs, mask=None if kwargs["mask"] is None else kwargs["mask"].double()),
                                    backend="reference")
     outs, stores = [], []
     for on in (True, False):
-        monkeypatch.setattr(kernels, "RUN_STORES", on)
-        monkeypatch.setattr(kernels, "FUSED_PREP", on)
-        monkeypatch.setattr(kernels, "_PLANS", {})
+        forced(run_stores=on, fused_prep=on)
         _poison_allocator()
         outs.append(deformconv.deform_conv2d(*args, **kwargs, backend="triton"))
-        stores.append(launch_metas(kernels)[0])
+        stores.append(launch_metas()[0])
     if wide:
         positions, block_m = outs[0].shape[2] * outs[0].shape[3], stores[0]["BLOCK_M"]
         run = min(math.gcd(positions, block_m), 16 // dtype.itemsize) if stores[0]["NSEG"] == 1 else 0
@@ -397,7 +395,7 @@ def test_training_loop_triton_matches_reference():
 
 
 def test_repeated_calls_and_misaligned_pointers():
-    """The second call of a shape relaunches the compiled kernels directly (ops/deform_conv2d.py, _Launch):
+    """The second call of a shape relaunches the compiled kernels directly (common/launch.py, Launch):
     it must give the first call's bits. Tensors whose data pointer is not 16-byte aligned (views at an odd
     storage offset) get their own plan and still match the float64 reference."""
     args, kwargs = _case("og8-packed-segments", torch.float16, seed=21)
@@ -476,18 +474,18 @@ def _graph_replay_matches_eager(deterministic):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["cout-512-tma", "og8-packed-segments"])
-def test_concurrent_backward_matches_sequential(shape, dtype, monkeypatch):
+def test_concurrent_backward_matches_sequential(shape, dtype, monkeypatch, forced):
     """Small batches run grad_weight on a side stream beside the grad_input kernel (concurrent_backward): the first
     call (planning) and the second (planned) both take the side stream, give grad_weight's bits twice, and match the
     float64 reference as the sequential backward (DEFORMCONV_BACKWARD_STREAMS=0) does."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     forks = []
-    side_stream = kernels._side_stream
-    monkeypatch.setattr(kernels, "_side_stream", lambda device: forks.append(device) or side_stream(device))
+    side_stream = kernels.backward.side_stream
+    monkeypatch.setattr(kernels.backward, "side_stream", lambda device: forks.append(device) or side_stream(device))
     args, kwargs = _case(shape, dtype, seed=29)
     ref_out, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
-    kernels._PLANS.clear()
+    options.clear()
     runs = [_fwd_bwd(args, kwargs, "triton")[1] for _ in range(2)]
     assert len(forks) == 2 and all(d.type == "cuda" for d in forks)
     assert torch.equal(runs[0][2], runs[1][2]), "grad_weight differs between the planning and the planned call"
@@ -502,18 +500,17 @@ def test_concurrent_backward_matches_sequential(shape, dtype, monkeypatch):
 
 @pytest.mark.parametrize("shape", ["segments-og3-g2", "og8-packed-segments"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
-def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, monkeypatch):
+def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, monkeypatch, forced):
     """The backward forced to one image a chunk (segments-og3-g2: the second image's grad_offset/grad_mask
     slices are not 16-byte aligned, so its chunk gets its own plan) matches the float64 reference."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
-    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", 0.0)
-    monkeypatch.setattr(kernels, "MIN_CHUNK_PROGRAMS", 1)
+    forced(default_workspace_budget=0.0, min_chunk_programs=1)
     # the chunks themselves: these small layers' weights are as large as their inputs, so by memory they would run whole
-    monkeypatch.setattr(kernels, "_chunked_weight_bytes", lambda *a: 0)
+    monkeypatch.setattr(kernels.schedule, "_chunked_weight_bytes", lambda *a: 0)
     chunks = []
-    real = kernels._backward_images
-    monkeypatch.setattr(kernels, "_backward_images", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
+    real = kernels.backward._backward_chunk
+    monkeypatch.setattr(kernels.backward, "_backward_chunk", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = _case(shape, torch.float16, seed=13)
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -529,11 +526,11 @@ def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, mo
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
+def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch, forced):
     """det-s3 of the benchmark (N=8, 128 -> 128 channels, 100x152, fp16): the extra peak memory of a
     forward+backward, less the output and the five gradients it returns, stays within 2x the input's size
     (the batch goes through the backward in chunks); the gradients equal the whole-batch backward's."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     args, kwargs = make_case(8, 128, 128, 100, 152, 3, 3, padding=1, dtype=torch.float16, device="cuda", seed=17)
     gout = torch.randn(8, 128, 100, 152, device="cuda", dtype=torch.float16)
@@ -558,10 +555,10 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch):
     returned = out_bytes + sum(t.grad.numel() * t.grad.element_size() for t in leaves)
     workspace = torch.cuda.max_memory_allocated() - base - returned
     input_bytes = args[0].numel() * args[0].element_size()
-    assert kernels.backward_chunk_images(leaves[0], gout, True, True, False) < 8
+    assert kernels.schedule.backward_chunk_images(leaves[0], gout, True, True, False) < 8
     assert workspace <= 2 * input_bytes, f"workspace {workspace / input_bytes:.2f}x the input"
     chunked = [t.grad.clone() for t in leaves]
-    monkeypatch.setattr(kernels, "WORKSPACE_BUDGET", float("inf"))
+    forced(default_workspace_budget=float("inf"))
     step()
     for name, g, r in zip(NAMES, chunked, [t.grad for t in leaves]):
         assert_close(g, r, torch.float16, f"grad_{name} (chunked vs whole batch)")
@@ -576,20 +573,20 @@ def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
 def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
-    """The backward's layout copies on the GPU: _nhwc zeroes grad_input's accumulator (poisoned here) whether or not
-    it transposes; _nhwc_summed gives an NCHW grad_out's channel sums from its transpose pass (a channels-last one
+    """The backward's layout copies on the GPU: to_nhwc zeroes grad_input's accumulator (poisoned here) whether or not
+    it transposes; to_nhwc_summed gives an NCHW grad_out's channel sums from its transpose pass (a channels-last one
     needs no pass and gives None: the backward sums it elsewhere)."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     g = torch.Generator(device="cuda").manual_seed(5)
     t = torch.randn(3, 40, 13, 17, generator=g, device="cuda").half()
     if layout == "channels_last":
         t = t.contiguous(memory_format=torch.channels_last)
     acc = torch.full((3, 1, 13, 17, 40), float("nan"), device="cuda")
-    x = kernels._nhwc(t, acc)
+    x = kernels.layout.to_nhwc(t, acc)
     assert x.is_contiguous(memory_format=torch.channels_last) and torch.equal(x, t)
     assert torch.equal(acc, torch.zeros_like(acc))
-    y, sums = kernels._nhwc_summed(t)
+    y, sums = kernels.layout.to_nhwc_summed(t)
     assert torch.equal(y, t) and y.is_contiguous(memory_format=torch.channels_last)
     if layout == "channels_last":
         assert sums is None
@@ -606,7 +603,7 @@ def test_backward_layout_passes_zero_and_sum_on_the_way(layout):
 def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout, dtype):
     """pack_weight's Triton pass on the GPU (with the cast from an fp32 weight) is bitwise torch's permuting copy of
     weight.to(dtype), for each weight layout; the output is poisoned first."""
-    from deformconv.ops import deform_conv2d as kernels
+    kernels = kernel_modules()
 
     cout, cin_g, kh, kw, groups = shape
     g = torch.Generator(device="cuda").manual_seed(11)
@@ -616,7 +613,7 @@ def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout,
     elif weight_layout == "channels_last":
         w = w.contiguous(memory_format=torch.channels_last)
     with nan_filled_empty():
-        got = kernels.pack_weight(w, groups, k_major, dtype)
+        got = kernels.packing.pack_weight(w, groups, k_major, dtype)
     ref = w.to(dtype).reshape(groups, cout // groups, cin_g, kh * kw)
     ref = (ref.permute(0, 3, 1, 2) if k_major else ref.permute(0, 3, 2, 1)).contiguous()
     assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, ref)

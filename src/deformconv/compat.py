@@ -1,0 +1,63 @@
+"""Triton and torch version differences, in one place.
+
+Feature detection where a feature can be probed (host-side TMA descriptors); otherwise one named
+:class:`CodegenProfile` per Triton whose code generation differs, passed to the kernels as constexpr arguments
+(never read from globals inside a kernel). docs/tuning.md has the measurements behind each spelling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Tuple
+
+import triton
+
+from .config import options
+
+try:  # host-side TMA descriptors
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - an older Triton: every tile is read through pointers
+    TensorDescriptor = None
+
+
+def triton_version() -> Tuple[int, int]:
+    """(major, minor) of the Triton in use: "3.8.0" or "3.8.0+git1234" -> (3, 8)."""
+    major, minor = (triton.__version__.split(".") + ["0"])[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@dataclass(frozen=True)
+class CodegenProfile:
+    """Spellings of the same computation that one Triton compiles well and another badly.
+
+    explicit_fma_blend: the 16-bit bilinear blend written as explicit FMAs. Triton 3.8 packs the products into
+        f16x2 multiplies and leaves their sums unfused unless told; Triton 3.6 contracts the plain expression itself.
+    contiguous_flat_store: the forward stores a tile lying in one image as a run of positions even with flat M
+        tiles. Triton 3.8 otherwise gives each thread a column of positions with an address apiece and spills.
+    pair_axis_outer: corner pairs [BM, NSEG, 2, SEG] are addressed as [2, NSEG, BM, SEG]. Triton 3.8 otherwise
+        splits each pair over two lanes (shuffles, spills) and moves packed sample points through shared memory.
+    wide_run_stores: the forward's vectorised NCHW runs take any length dividing Ho*Wo and the tile, in any dtype
+        (else 16-bit outputs only, in runs of 8).
+    per_image_run_stores: every forward with run stores tiles M per image (else only 128-row tiles).
+    narrow_weight_stages: pipeline stages of grad_weight's narrow 16-bit tile; Triton 3.8 stages its A tile in
+        shared memory as well, so two stages no longer fit three programs an SM.
+    """
+
+    explicit_fma_blend: bool
+    contiguous_flat_store: bool
+    pair_axis_outer: bool
+    wide_run_stores: bool
+    per_image_run_stores: bool
+    narrow_weight_stages: int
+
+
+TRITON_3_6 = CodegenProfile(explicit_fma_blend=False, contiguous_flat_store=False, pair_axis_outer=False,
+                            wide_run_stores=False, per_image_run_stores=False, narrow_weight_stages=2)
+TRITON_3_8 = CodegenProfile(explicit_fma_blend=True, contiguous_flat_store=True, pair_axis_outer=True,
+                            wide_run_stores=True, per_image_run_stores=True, narrow_weight_stages=1)
+_INSTALLED = TRITON_3_6 if triton_version() <= (3, 6) else TRITON_3_8
+
+
+def codegen_profile() -> CodegenProfile:
+    """The profile in use: options.profile if set, else the installed Triton's."""
+    return options.profile or _INSTALLED

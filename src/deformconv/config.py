@@ -1,0 +1,143 @@
+"""Configuration in one place: every environment variable deformconv reads, and the options object.
+
+Environment variables are parsed here and nowhere else (docs/environment.md lists them). Each is read when it
+is used, so a change of ``os.environ`` takes effect at the next call.
+
+``options`` holds what tests and benchmarks switch to force a code path (a kernel's config, a layout, one of
+two equivalent launch sequences), and owns the Triton backend's caches (launch plans, tuned configs, compiled
+launches), so that one ``options.clear()`` (or leaving ``options.override(...)``) forgets them all. Users never
+need to touch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterator, Optional
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    effect: str
+
+
+ENVIRONMENT: Dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("DEFORMCONV_BACKEND", "", "Forces a backend (`triton`, `reference`, or `auto`) where the call names none."),
+    EnvVar("DEFORMCONV_AUTOTUNE", "0", "`1`: the first call at a new shape class times up to 4 candidate tile "
+                                       "configs on the GPU and keeps the fastest, instead of the heuristic default."),
+    EnvVar("DEFORMCONV_FAST_LAUNCH", "1", "`0`: every kernel launch goes through Triton's JIT call path instead of "
+                                          "relaunching the compiled kernel directly."),
+    EnvVar("DEFORMCONV_WORKSPACE_BUDGET", "", "The backward's scratch memory in multiples of the input's size "
+                                              "(`inf`: the whole batch at once). Unset: 1.5, raised where a chunk "
+                                              "would not fill the GPU."),
+    EnvVar("DEFORMCONV_BACKWARD_STREAMS", "1", "`0`: grad_weight never runs on a side stream beside grad_input."),
+)}
+
+
+def _raw(name: str) -> str:
+    return os.environ.get(name, ENVIRONMENT[name].default)
+
+
+def _flag(name: str) -> bool:
+    return _raw(name) not in ("", "0")
+
+
+def backend() -> Optional[str]:
+    """DEFORMCONV_BACKEND, or None when unset or empty."""
+    return _raw("DEFORMCONV_BACKEND") or None
+
+
+def autotune() -> bool:
+    return _flag("DEFORMCONV_AUTOTUNE")
+
+
+def fast_launch() -> bool:
+    return _flag("DEFORMCONV_FAST_LAUNCH")
+
+
+def backward_streams() -> bool:
+    return _raw("DEFORMCONV_BACKWARD_STREAMS") != "0"
+
+
+def workspace_budget() -> Optional[float]:
+    """DEFORMCONV_WORKSPACE_BUDGET as a number >= 0 (inf allowed), or None when unset."""
+    text = _raw("DEFORMCONV_WORKSPACE_BUDGET")
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0:
+        raise ValueError(f"DEFORMCONV_WORKSPACE_BUDGET: expected a number >= 0 (a multiple of the input's size, "
+                         f"or inf), got {text!r}")
+    return value
+
+
+def triton_interpret() -> bool:
+    """Triton's own TRITON_INTERPRET: kernels run in its CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@dataclass
+class Options:
+    """Switches that force code paths, and the caches that depend on them. The defaults are the product's.
+
+    Every field but ``caches`` may be set through :meth:`override`. Forcing fields (None: the heuristic decides):
+    ``configs`` maps a kernel ("fwd", "bwd_data", "bwd_weight") to the one Config it must use (its split still
+    follows the shape unless the Config sets one other than 1); ``tma``, ``per_image``, ``grouped_input`` and
+    ``go_resident`` force those choices for every launch.
+    """
+
+    # code paths that have an equivalent, slower alternative kept for the tests
+    run_stores: bool = True              # the forward's vectorised NCHW stores
+    fused_prep: bool = True              # the forward's weight pack and input copy in one launch
+    paired_transposes: bool = True       # the backward's two layout copies in one launch
+    direct_grad_weight: bool = True      # grad_weight stored by its kernel where one split makes it final
+    layout_kernels_on_cpu: bool = False  # the layout kernels under the interpreter too (else torch's copies)
+    # tuning constants of the backward's schedule (configs.py and schedule.py say why)
+    default_workspace_budget: float = 1.5
+    min_chunk_programs: int = 512
+    # kernel codegen spellings (compat.CodegenProfile); None: the one for the installed Triton
+    profile: Any = None
+    # forced choices
+    configs: Dict[str, Any] = field(default_factory=dict)
+    tma: Optional[bool] = None
+    per_image: Optional[bool] = None
+    grouped_input: Optional[bool] = None
+    go_resident: Optional[bool] = None
+    caches: Dict[str, dict] = field(default_factory=dict, repr=False)
+
+    def cache(self, name: str) -> dict:
+        """The named cache (created empty on first use); emptied by clear()."""
+        return self.caches.setdefault(name, {})
+
+    def clear(self) -> None:
+        """Forget every plan, tuned config and compiled launch."""
+        for cache in self.caches.values():
+            cache.clear()
+
+    @contextlib.contextmanager
+    def override(self, **changes) -> Iterator["Options"]:
+        """Set fields for the duration of the block, with empty caches inside and after it."""
+        names = {f.name for f in dataclasses.fields(self)} - {"caches"}
+        unknown = set(changes) - names
+        if unknown:
+            raise TypeError(f"options.override: unknown option(s) {sorted(unknown)}; known: {sorted(names)}")
+        saved = {k: getattr(self, k) for k in changes}
+        for k, v in changes.items():
+            setattr(self, k, v)
+        self.clear()
+        try:
+            yield self
+        finally:
+            for k, v in saved.items():
+                setattr(self, k, v)
+            self.clear()
+
+
+options = Options()

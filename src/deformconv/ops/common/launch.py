@@ -1,0 +1,153 @@
+"""Launch machinery shared by the Triton kernels: plans, direct relaunch, TMA checks, config choice.
+
+A launch plan is worked out once per call signature (shapes, strides, dtypes, flags, pointer alignment) and
+kept in a cache of ``config.options``; later calls relaunch the compiled kernels directly (:class:`Launch`).
+At small shapes the Python that derives a plan, and Triton's own per-call argument handling, cost as much as
+the kernels themselves.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ... import config
+from ...compat import TensorDescriptor
+from ...config import options
+
+
+def ceil_div(a: int, b: int) -> int:
+    """triton.cdiv in plain Python, for code that runs at every call (some Tritons' cdiv costs microseconds)."""
+    return -(-a // b)
+
+
+def pow2_clamp(x: int, lo: int, hi: int) -> int:
+    """The power of two at or above x, clamped to [lo, hi] (plain Python: channel_sum calls it every call)."""
+    return max(lo, min(hi, 1 << (max(1, x) - 1).bit_length()))
+
+
+def unique_configs(cands: list) -> list:
+    """The candidates without repeats, in order."""
+    return list(dict.fromkeys(cands))
+
+
+def sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs use TF32 exactly where F.conv2d would (cudnn.allow_tf32), else full fp32."""
+    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+# Entries a plan cache holds before it starts afresh: a bound on memory for programs that see endless shapes.
+MAX_PLANS = 512
+
+
+def remember(cache: dict, key: tuple, value):
+    """cache[key] = value, the cache emptied first when it holds MAX_PLANS entries."""
+    if len(cache) >= MAX_PLANS:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
+class Launch:
+    """One kernel launch of a plan: grid, runtime arguments and constexprs fixed, tensors given per call.
+
+    The first call goes through Triton's JIT (compiling if needed). Later calls hand the tensors straight to
+    the compiled kernel's launcher, skipping Triton's per-call argument binding, specialisation and cache
+    lookup (tens of microseconds of Python a launch). That is valid because the plan key fixes everything
+    Triton specialises on: the integer arguments, the dtypes and each pointer's alignment. Under the
+    interpreter, or with DEFORMCONV_FAST_LAUNCH=0, every call goes through the JIT."""
+
+    def __init__(self, fn, grid: tuple, args: tuple, meta: dict):
+        self.fn, self.args, self.meta = fn, args, meta
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled launcher wants all 3 grid dims
+        self.runner = None
+        self.tail: tuple = ()
+        self.fast = config.fast_launch()
+
+    def __call__(self, *tensors: Tensor) -> None:
+        if self.runner is not None:
+            try:
+                self.runner(*tensors, *self.args, *self.tail)
+                return
+            except (TypeError, IndexError, ValueError):  # raised before launching: this Triton's launcher
+                self.runner, self.fast = None, False     # wants other arguments; stay on the JIT path
+        compiled = self.fn[self.grid](*tensors, *self.args, **self.meta)
+        if self.fast and hasattr(compiled, "packed_metadata") and hasattr(compiled, "__getitem__"):
+            # the launcher takes every parameter in signature order, constexprs included
+            names = self.fn.arg_names[len(tensors) + len(self.args):]
+            self.tail = tuple(self.meta[n] for n in names)
+            self.runner = compiled[self.grid]
+
+
+def tma_supported(device: torch.device) -> bool:
+    """Whether the kernels can read tiles through TMA descriptors on this device (Config.tma): a GPU of compute
+    capability 9.0 or later (the Tensor Memory Accelerator), or the CPU, where Triton's interpreter emulates them;
+    and a Triton with host-side descriptors."""
+    if TensorDescriptor is None:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device) >= (9, 0)
+    return device.type == "cpu"
+
+
+def tma_possible(dtype: torch.dtype, even_k: bool, row_bytes: int, device: torch.device) -> bool:
+    """Whether tiles of an operand with rows of row_bytes (its channels) can come through TMA descriptors at all: the
+    dtype is fp16, bf16 or fp32 (not float64), channel chunks are whole (EVEN_K: a weight tile past a segment's end
+    would read the next segment's weights, and a non-finite weight there would leak into this one's result), rows a
+    multiple of 16 bytes, and the device has TMA (tma_supported). tma_launch adds the checks of the tensors' memory;
+    the candidates use it to know in advance where TMA will be taken."""
+    return (dtype in (torch.float16, torch.bfloat16, torch.float32) and even_k and row_bytes % 16 == 0
+            and tma_supported(device))
+
+
+def tma_launch(cfg, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[Tensor, int]]) -> bool:
+    """Whether a launch of cfg reads its tiles through TMA descriptors: the config asks for it, each operand (tensor,
+    elements a row: channels) passes tma_possible, and TMA can address its memory: non-empty, a 16-byte-aligned
+    base, fewer than 2**31 rows (int32 tile coordinates)."""
+    return cfg.tma and all(tma_possible(dtype, even_k, row * t.element_size(), t.device) and t.numel() > 0
+                           and t.data_ptr() % 16 == 0 and t.numel() // row < 2**31 for t, row in operands)
+
+
+def pick_config(key: tuple, candidates: list, launch, device: torch.device):
+    """The heuristic default for this call's shape (candidates[0]); with DEFORMCONV_AUTOTUNE=1 on CUDA, the
+    fastest candidate, timed once per shape class and cached: a later shape of the class takes the tuned tile
+    with its own split (splits follow the exact number of positions).
+    ``launch`` must be safe to repeat (the caller re-initialises any accumulator after the choice). A
+    candidate must beat the default by 5% to replace it. chosen_configs() records each class's first choice."""
+    tuned_configs = options.cache("tuned")
+    if (not config.autotune() or len(candidates) == 1 or device.type != "cuda"
+            or torch.cuda.is_current_stream_capturing()):
+        tuned_configs.setdefault(key, candidates[0])
+        return candidates[0]
+    if key in tuned_configs:
+        tuned = tuned_configs[key]
+        return next((c for c in candidates if dataclasses.replace(c, split=tuned.split) == tuned), tuned)
+    from triton.testing import do_bench
+
+    times = {}
+    for cfg in candidates:
+        try:
+            launch(cfg)  # compile and warm the clocks before timing
+            times[cfg] = do_bench(lambda: launch(cfg), warmup=10, rep=30, return_mode="median")
+        except Exception:  # a candidate that does not fit this GPU (e.g. out of shared memory)
+            continue
+    best = candidates[0]
+    for cfg, ms in times.items():
+        if ms < 0.95 * times.get(best, float("inf")):
+            best = cfg
+    tuned_configs[key] = best
+    return best
+
+
+def chosen_configs() -> Dict[tuple, object]:
+    """The config in use for each shape class seen so far (for benchmarks and bug reports)."""
+    return dict(options.cache("tuned"))

@@ -1,0 +1,255 @@
+"""Bilinear sampling helpers shared by the Triton kernels (``@triton.jit``, inlined into their callers).
+
+A sample point is fractional (y, x) in an image whose pixels are ``PIX`` elements apart (channels contiguous
+within a pixel). Its value is the blend of the 4 corners (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1) with
+weights (1-ly)(1-lx), (1-ly)lx, ly(1-lx), ly·lx, and zero for corners outside the image. These helpers compute
+the corners' addresses and validity, load them one by one or as pairs along x, blend them, and scatter a
+gradient back to them (atomics), and reduce the gradient with respect to the sample point and its modulation.
+
+Corner pairs: for short channel runs the corners come as ``[BM, NSEG, 2, SEG]`` tensors (position, segment,
+x0 / x0+1, channel), top row and bottom row apart; in a layout where a segment's channels are a pixel's whole
+run, a pair is one contiguous run of 2·SEG elements.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def sample_point(
+    off_ptr, msk_ptr,      # offset [N, 2*G*KK, Ho, Wo] and mask [N, G*KK, Ho, Wo], NCHW
+    off_row, msk_row,      # int64 [BM]: element offset of (n, channel 0, ho, wo) in offset / mask
+    ch, L,                 # channel (= offset group * KK + tap), Ho*Wo
+    y_ref, x_ref,          # fp32 [BM]: the regular (undeformed) sample point
+    pix_base, H, W, PIX,   # int64 [BM] offset of image n in the input; input sizes; pixel stride (elements)
+    m_valid,               # bool [BM]
+    HAS_MASK: tl.constexpr,
+):
+    """Sample point of one tap and offset group: the element offset of its top-left corner (y0, x0) from
+    the image's base (pixels PIX elements apart: Cin in NHWC, Cin/G in the offset-grouped layout), which of
+    the 4 corners lie inside the image, the fractions (ly, lx) and the mask."""
+    dy_row = off_row + (2 * ch).to(tl.int64) * L  # int64: one image's offsets may pass 2**31 elements
+    dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0).to(tl.float32)
+    dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0).to(tl.float32)
+    y = y_ref + dy
+    x = x_ref + dx
+    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)  # y == -1: zero value, one-sided grad
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    ly = y - y0f
+    lx = x - x0f
+    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
+    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    if HAS_MASK:
+        mv = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0).to(tl.float32)
+    else:
+        mv = tl.full(ly.shape, 1.0, tl.float32)
+    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+
+
+@triton.jit
+def sample_loads(off_ptr, msk_ptr, off_row, msk_row, ch, L, m_valid, HAS_MASK: tl.constexpr):
+    """sample_point's loads alone, so that they can be issued a step ahead: (dy, dx, mask) [BM] in their dtype
+    (without HAS_MASK the mask is dy again, never used)."""
+    dy_row = off_row + (2 * ch).to(tl.int64) * L
+    dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0)
+    dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0)
+    if HAS_MASK:
+        mraw = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0)
+    else:
+        mraw = dy
+    return dy, dx, mraw
+
+
+@triton.jit
+def sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK: tl.constexpr):
+    """sample_point from its sample_loads. (sample_point's arithmetic written out again: a sample_point built from
+    these two compiled to a longer grad_input loop.)"""
+    y = y_ref + dy.to(tl.float32)
+    x = x_ref + dx.to(tl.float32)
+    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    ly = y - y0f
+    lx = x - x0f
+    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
+    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    if HAS_MASK:
+        mv = mraw.to(tl.float32)
+    else:
+        mv = tl.full(ly.shape, 1.0, tl.float32)
+    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+
+
+@triton.jit
+def load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
+    """The 4 bilinear corners [BM, BK] (the input's dtype, zero outside the image) of channels cc."""
+    ptrs = ptr + p00[:, None] + cc[None, :]
+    row = W * CIN
+    if EVEN_K:
+        c00 = tl.load(ptrs, mask=v00[:, None], other=0.0)
+        c01 = tl.load(ptrs + CIN, mask=v01[:, None], other=0.0)
+        c10 = tl.load(ptrs + row, mask=v10[:, None], other=0.0)
+        c11 = tl.load(ptrs + row + CIN, mask=v11[:, None], other=0.0)
+    else:
+        c00 = tl.load(ptrs, mask=v00[:, None] & k_ok[None, :], other=0.0)
+        c01 = tl.load(ptrs + CIN, mask=v01[:, None] & k_ok[None, :], other=0.0)
+        c10 = tl.load(ptrs + row, mask=v10[:, None] & k_ok[None, :], other=0.0)
+        c11 = tl.load(ptrs + row + CIN, mask=v11[:, None] & k_ok[None, :], other=0.0)
+    return c00, c01, c10, c11
+
+
+@triton.jit
+def bilinear_weights(ly, lx, mv):
+    """Weights of the corners (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1) from the fractions, mask folded in."""
+    return (1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv
+
+
+@triton.jit
+def blend(w00, w01, w10, w11, c00, c01, c10, c11, FMA: tl.constexpr):
+    """The bilinear sample [..., channels] from the corners [..., channels] weighted by their bilinear_weights
+    [...], computed in the corners' dtype (docs/design.md, Precision): fp32 corners in fp32; fp16 and bf16 corners
+    in their dtype, the weights rounded to it (paired 16-bit FMAs). FMA: spelled as explicit FMAs
+    (CodegenProfile.explicit_fma_blend)."""
+    dt = c00.dtype
+    if FMA:
+        acc = tl.expand_dims(w00.to(dt), -1) * c00
+        acc = tl.fma(tl.expand_dims(w01.to(dt), -1), c01, acc)
+        acc = tl.fma(tl.expand_dims(w10.to(dt), -1), c10, acc)
+        acc = tl.fma(tl.expand_dims(w11.to(dt), -1), c11, acc)
+    else:
+        acc = (tl.expand_dims(w00.to(dt), -1) * c00 + tl.expand_dims(w01.to(dt), -1) * c01
+               + tl.expand_dims(w10.to(dt), -1) * c10 + tl.expand_dims(w11.to(dt), -1) * c11)
+    return acc
+
+
+@triton.jit
+def segment_channels(c_first, GS, SEG: tl.constexpr, GROUPED: tl.constexpr):
+    """Element offsets [NSEG, SEG] (int64, from a pixel's address) of the channels of the segments starting at
+    c_first [NSEG]: the channel index itself in NHWC; in the offset-grouped layout (where a segment is a whole
+    offset group) the group's base, GS = H*W*SEG elements apart, plus 0..SEG-1."""
+    if GROUPED:
+        base = (c_first // SEG).to(tl.int64) * GS
+    else:
+        base = c_first.to(tl.int64)
+    return base[:, None] + tl.arange(0, SEG)[None, :]
+
+
+@triton.jit
+def pair_pointers(ptr, p00, cc, PIX):
+    """Pointers [BM, NSEG, 2, SEG] to the top corner pairs (row y0: x0, x0+1) of each sample point: p00 is
+    [BM, NSEG], cc [NSEG, SEG] (segment_channels), PIX the pixel stride."""
+    j = tl.arange(0, 2)
+    return ptr + p00[:, :, None, None] + (cc[None, :, None, :] + (j * PIX).to(tl.int64)[None, None, :, None])
+
+
+@triton.jit
+def pair_mask(left_ok, right_ok, c_ok=None):
+    """Which corners of a pair exist, [BM, NSEG, 2, 1], from the left and right corners' [BM, NSEG] masks;
+    [BM, NSEG, 2, SEG] with c_ok [NSEG, SEG], which channels exist (a partial chunk of a long segment)."""
+    left = (tl.arange(0, 2) == 0)[None, None, :, None]
+    ok = tl.where(left, left_ok[:, :, None, None], right_ok[:, :, None, None])
+    if c_ok is not None:
+        ok = ok & c_ok[None, :, None, :]
+    return ok
+
+
+@triton.jit
+def pair_axis_outer(t):
+    """A corner-pair tensor [BM, NSEG, 2, SEG] (or a mask [BM, NSEG, 2, 1]) as [2, NSEG, BM, SEG]: the pair axis
+    outermost and the positions next to the channels, how corner_pairs and scatter_pairs address their pairs where
+    PAIR_AXIS_OUTER (a view, no data moved). Its own inverse."""
+    return tl.permute(t, (2, 1, 0, 3))
+
+
+@triton.jit
+def corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, PAIRS_OUTER: tl.constexpr, c_ok=None):
+    """The 4 corners of each sample point as two pairs [BM, NSEG, 2, SEG] in the input's dtype: top (row y0:
+    x0, x0+1) and bottom (row y0+1, ROW elements further), zero outside the image, for masked-off segments
+    and for channels c_ok [NSEG, SEG] excludes (if given). In the offset-grouped layout (PIX = SEG) a pair is
+    one run of 2*SEG elements, which two neighbouring threads load from one cache line."""
+    ptrs = pair_pointers(ptr, p00, cc, PIX)
+    if PAIRS_OUTER:  # loaded as [2, NSEG, BM, SEG], returned as [BM, NSEG, 2, SEG]
+        pt = pair_axis_outer(ptrs)
+        top = pair_axis_outer(tl.load(pt, mask=pair_axis_outer(pair_mask(v00, v01, c_ok)), other=0.0))
+        bottom = pair_axis_outer(tl.load(pt + ROW, mask=pair_axis_outer(pair_mask(v10, v11, c_ok)), other=0.0))
+    else:
+        top = tl.load(ptrs, mask=pair_mask(v00, v01, c_ok), other=0.0)
+        bottom = tl.load(ptrs + ROW, mask=pair_mask(v10, v11, c_ok), other=0.0)
+    return top, bottom
+
+
+@triton.jit
+def pair_weights(ly, lx, mv):
+    """bilinear_weights as pairs: top (w00, w01) and bottom (w10, w11), each [BM, NSEG, 2]."""
+    right = (tl.arange(0, 2) == 1)[None, None, :]
+    wx = tl.where(right, lx[:, :, None], 1.0 - lx[:, :, None])
+    return ((1.0 - ly) * mv)[:, :, None] * wx, (ly * mv)[:, :, None] * wx
+
+
+@triton.jit
+def blend_pairs(wt, wb, top, bottom):
+    """The bilinear samples [BM, NSEG, SEG] from corner_pairs and pair_weights, in the corners' dtype as
+    blend."""
+    dt = top.dtype
+    return tl.sum(wt[:, :, :, None].to(dt) * top + wb[:, :, :, None].to(dt) * bottom, axis=2)
+
+
+@triton.jit
+def scatter_add(ptrs, vals, mask, scale, FIXED: tl.constexpr):
+    """grad_input's atomic add of fp32 vals: as fp32, or (FIXED, deterministic mode) as int64 fixed point
+    round(vals * scale), whose sum does not depend on the order the programs add in."""
+    if FIXED:
+        v = vals * scale
+        tl.atomic_add(ptrs, (v + tl.where(v >= 0, 0.5, -0.5)).to(tl.int64), mask=mask, sem="relaxed")
+    else:
+        tl.atomic_add(ptrs, vals, mask=mask, sem="relaxed")
+
+
+@triton.jit
+def scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr,
+                  PAIRS_OUTER: tl.constexpr, c_ok=None):
+    """grad_input's adds at the 4 corners of each sample point, as corner_pairs' two pairs: grad_col g
+    [BM, NSEG, SEG] (fp32) times the pair_weights wt, wb [BM, NSEG, 2] (channels c_ok excludes skipped)."""
+    ptrs = pair_pointers(ptr, p00, cc, PIX)
+    if PAIRS_OUTER:
+        pt = pair_axis_outer(ptrs)
+        scatter_add(pt, pair_axis_outer(g[:, :, None, :] * wt[:, :, :, None]),
+                    pair_axis_outer(pair_mask(v00, v01, c_ok)), scale, FIXED)
+        scatter_add(pt + ROW, pair_axis_outer(g[:, :, None, :] * wb[:, :, :, None]),
+                    pair_axis_outer(pair_mask(v10, v11, c_ok)), scale, FIXED)
+    else:
+        scatter_add(ptrs, g[:, :, None, :] * wt[:, :, :, None], pair_mask(v00, v01, c_ok), scale, FIXED)
+        scatter_add(ptrs + ROW, g[:, :, None, :] * wb[:, :, :, None], pair_mask(v10, v11, c_ok), scale, FIXED)
+
+
+@triton.jit
+def pair_sums(g, top, bottom):
+    """The 4 sums over each segment's channels that grad_mask and grad_offset are linear in, [BM, NSEG] each,
+    from corner_pairs and grad_col g [BM, NSEG, SEG] (fp32): sum g*c00, and sum g*d for the exact corner
+    differences dx = c01 - c00, dy = c10 - c00, dy1 = c11 - c01 (each one rounding, as elementwise)."""
+    top = top.to(tl.float32)
+    right = (tl.arange(0, 2) == 1)[None, None, :, None]
+    c00 = tl.sum(tl.where(right, 0.0, top), axis=2)
+    dx = tl.sum(tl.where(right, top, -top), axis=2)
+    sdy, sdy1 = tl.split(tl.sum(g[:, :, None, :] * (bottom.to(tl.float32) - top), axis=3))
+    return tl.sum(g * c00, axis=2), tl.sum(g * dx, axis=2), sdy, sdy1
+
+
+@triton.jit
+def mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
+    """grad_mask, grad_offset_y, grad_offset_x of one sample point from its pair_sums. The sampled value is
+    val = c00 + lx*dx + ly*dy + lx*ly*(dy1 - dy), so grad_mask = sum g*val and grad_offset = mv * sum g *
+    (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels."""
+    dd = sdy1 - sdy
+    return s00 + lx * sdx + ly * sdy + lx * ly * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
