@@ -327,7 +327,7 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch, forced
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
 
-# RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (WIDE_RUN_STORES on, off). 320 positions: the old
+# RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (CodegenProfile.wide_run_stores on, off). 320 positions: the old
 # rule's 8-element runs for 16 bits; wide runs: up to 16 bytes of any dtype, as far as Ho*Wo and the tile both divide
 # (gcd(196, 64 or 128) = 4); None: not run (the old rule stores no runs at 196 positions, so both calls would be alike).
 RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, None), (14, 14, 4): (4, None)}
@@ -455,7 +455,7 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
 @pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
 def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch, forced):
     """At split 1 in a one-chunk backward the grad_weight kernel writes grad_weight in the weight's layout and dtype
-    (DIRECT_GRAD_WEIGHT), or, turned off, fp32 partials that finish_grads unpacks: the oracle's gradients either way,
+    (options.direct_grad_weight), or, turned off, fp32 partials that finish_grads unpacks: the oracle's gradients either way,
     in the weight's memory format."""
 
     kernels = kernel_modules()
@@ -745,7 +745,7 @@ def _meta(shape, dtype, channels_last=False):
 ], ids=["fp16-nchw", "fp16-channels-last", "fp32-channels-last", "fp16-nchw-deterministic"])
 def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, deterministic, images):
     """det-s3's shape (N=8, 128 channels, 100x152): the images per backward chunk keep the estimated scratch
-    within WORKSPACE_BUDGET times the input; a small image count is raised to keep the GPU busy."""
+    within options.default_workspace_budget times the input; a small image count is raised to keep the GPU busy."""
     kernels = kernel_modules()
     x = _meta((8, 128, 100, 152), dtype, channels_last)
     go = _meta((8, 128, 100, 152), dtype, channels_last)
@@ -755,7 +755,7 @@ def test_backward_chunk_images_keeps_the_workspace_budget(dtype, channels_last, 
     cl = _meta((8, 128, 100, 152), dtype, True)
     assert kernels.schedule.backward_chunk_images(cl, cl, False, False, False) == 8
     assert kernels.schedule.backward_chunk_images(cl, cl, False, True, False) == (6 if dtype == torch.float16 else 8)
-    # small images: a chunk keeps MIN_CHUNK_PROGRAMS M tiles (cls-14: 64 images of 14x14 -> 4 tiles each)
+    # small images: a chunk keeps options.min_chunk_programs M tiles (cls-14: 64 images of 14x14 -> 4 tiles each)
     small = _meta((64, 256, 14, 14), dtype, channels_last)
     assert kernels.schedule.backward_chunk_images(small, small, True, True, deterministic) == 64
 
@@ -780,7 +780,7 @@ def test_backward_chunk_images_counts_the_offset_grouped_copy():
 ], ids=["det-s4", "cls-14", "det-s5-fp32-channels-last", "det-s3", "det-s3-fp32-channels-last", "one-large-image"])
 def test_concurrent_backward_where_the_batch_is_small(shape, dtype, channels_last, concurrent, monkeypatch, forced):
     """grad_weight runs beside the grad_input kernel (on a side stream) where the whole batch has at most
-    MIN_CHUNK_PROGRAMS M tiles, or where the budget admits the whole batch with grad_weight's partials beside the
+    options.min_chunk_programs M tiles, or where the budget admits the whole batch with grad_weight's partials beside the
     accumulator; then the backward is one chunk. Only when both kernels run."""
     kernels = kernel_modules()
     monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)  # the meta device stands for CUDA
@@ -814,7 +814,7 @@ def test_workspace_budget_from_the_environment(monkeypatch, forced):
     assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 8
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
     assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 4
-    # a budget set here is kept below the MIN_CHUNK_PROGRAMS floor: cls-14's 64 small images (8 bytes of scratch an
+    # a budget set here is kept below the options.min_chunk_programs floor: cls-14's 64 small images (8 bytes of scratch an
     # fp16 input element: 1.5 x 2 / 8 of the batch) run in chunks of 24, not whole, and without the side stream
     monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)
     small = _meta((64, 256, 14, 14), torch.float16)
@@ -833,7 +833,7 @@ def test_workspace_budget_from_the_environment(monkeypatch, forced):
 @pytest.mark.parametrize("shape,budget,images", [
     ((8, 512, 25, 38), "2", 8),    # det-s5: 4 images by the budget, but its weight's fp32 sums take more than they free
     ((8, 512, 25, 38), "0.5", 8),  # 1 image: still no saving
-    ((8, 256, 50, 76), "2", 4),    # det-s4: chunks of 4 (measured v24: 4.7x -> 2.2x the input)
+    ((8, 256, 50, 76), "2", 4),    # det-s4: chunks of 4
     ((64, 256, 14, 14), "2", 32),  # cls-14: chunks of 32 (5.5x -> 3.0x)
     ((64, 256, 14, 14), "3", 48),
 ], ids=["det-s5-2", "det-s5-0.5", "det-s4-2", "cls-14-2", "cls-14-3"])
@@ -890,11 +890,11 @@ def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
     ("3x3-pad1", "channels_last", False)], ids=["nchw", "offset-grouped", "nchw-deterministic", "channels-last-input"])
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
 def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch, forced):
-    """With the layout copies through _transpose_kernel as on the GPU (LAYOUT_KERNELS_ON_CPU; the CPU otherwise uses
+    """With the layout copies through _transpose_kernel as on the GPU (options.layout_kernels_on_cpu; the CPU otherwise uses
     torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a channels-last
     input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no channel-sum
     launch, no bias rows in the grad_weight kernel), the two passes run in one _transpose_pair_kernel launch where
-    both exist (PAIRED_TRANSPOSES; else one launch each), and every gradient is the oracle's."""
+    both exist (options.paired_transposes; else one launch each), and every gradient is the oracle's."""
     kernels = kernel_modules()
 
     forced(layout_kernels_on_cpu=True, paired_transposes=paired)  # and no cached launches: all are counted

@@ -40,7 +40,7 @@ def test_candidate_lists_are_small_and_valid(geo, dtype):
 def test_pack_weight_layouts(groups, k_major, path, weight_layout, taps, monkeypatch, forced):
     """pack_weight: [groups, kh*kw, Cin_g, Cout_g], or K-major [groups, kh*kw, Cout_g, Cin_g], cast to the dtype asked
     for; element by element, from each weight layout, through torch's copies and through _pack_weight_kernel (as on
-    the GPU: LAYOUT_KERNELS_ON_CPU), for several kernel sizes. The output is poisoned first."""
+    the GPU: options.layout_kernels_on_cpu), for several kernel sizes. The output is poisoned first."""
     forced(layout_kernels_on_cpu=path == "kernel")  # and no launches cached by earlier tests: all are counted
     kh, kw = taps
     w = torch.randn(6, 5, kh, kw, dtype=torch.float32)  # Cout 6, Cin_g 5
@@ -72,7 +72,7 @@ def test_pack_weight_layouts(groups, k_major, path, weight_layout, taps, monkeyp
 @pytest.mark.parametrize("grouped", [False, True], ids=["nhwc", "offset-grouped"])
 def test_forward_operands_pack_and_transpose_in_one_launch(grouped, k_major, weight_layout, fused, monkeypatch, forced):
     """forward_operands: an NCHW input's copy (NHWC, or offset-grouped [N, G, H, W, C/G]) and the packed weight (cast
-    to the input's dtype) from one _pack_and_transpose_kernel launch (FUSED_PREP), or from the two separate passes:
+    to the input's dtype) from one _pack_and_transpose_kernel launch (options.fused_prep), or from the two separate passes:
     the same bits as torch's permutes either way, every element written (outputs poisoned)."""
     forced(layout_kernels_on_cpu=True, fused_prep=fused)  # and no cached launches: all are counted
     launches = {}
@@ -133,7 +133,7 @@ def test_grad_input_kernel_splits_taps_when_tiles_are_few(shape, sms, split, con
 def test_grad_weight_split_beside_grad_input(shape, dtype, split, concurrent_split, monkeypatch, forced):
     """grad_weight's split-M (its first config, 132 multiprocessors): about 3 programs per multiprocessor alone
     (within the partial sums' memory cap), about CONCURRENT_WEIGHT_PROGRAMS_PER_SM beside the grad_input kernel:
-    half a multiprocessor in 16 bits (v24: cls-14's and det-s4's split 4 -> 2, same time, less workspace), one in
+    half a multiprocessor in 16 bits (the same time with less workspace), one in
     fp32 (its cls-14 tiles are twice as many: split 2 either way)."""
     monkeypatch.setattr(K.configs, "sm_count", lambda device: 132)
     monkeypatch.setattr(K.launch, "tma_supported", lambda device: True)

@@ -238,9 +238,9 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch, forced):
 @pytest.mark.parametrize("wide", [False, True], ids=["16-byte-runs", "wide-runs"])
 @pytest.mark.parametrize("shape", ["runs-per-image", "runs-flat-wide", "det-like", "og8-packed-segments"])
 def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, wide, dtype, monkeypatch, forced):
-    """The forward with its NCHW output stored in runs (RUN_STORES) and the weight packed in the input's transpose
-    launch (FUSED_PREP), then with both off: the same bits, and the float64 reference's numbers. The run stores
-    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or (WIDE_RUN_STORES) to any
+    """The forward with its NCHW output stored in runs (options.run_stores) and the weight packed in the input's transpose
+    launch (options.fused_prep), then with both off: the same bits, and the float64 reference's numbers. The run stores
+    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or (CodegenProfile.wide_run_stores) to any
     output with unpacked segments, in runs of the largest power of two dividing Ho*Wo and the tile, up to 16 bytes;
     the fused pass to every NCHW input."""
     kernels = kernel_modules()
