@@ -7,6 +7,7 @@ A drop-in for ``torchvision.ops.deform_conv2d`` registered as one ``torch.librar
 from .backends import not_supported_reasons, select_backend
 from .functional import deform_conv2d
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
+from .surgery import make_deformable, resnet_stages
 
 __version__ = "0.1.0"
 
@@ -15,6 +16,8 @@ __all__ = [
     "DeformConv2d",
     "DeformConv2dPack",
     "ModulatedDeformConv2dPack",
+    "make_deformable",
+    "resnet_stages",
     "not_supported_reasons",
     "select_backend",
     "__version__",
