@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import HAS_CUDA, make_case
+from conftest import HAS_CUDA, make_case, requires_cuda
 
 
 def _op_args(backend="reference", dtype=torch.float64, mask="random", seed=0, device="cpu"):
@@ -127,21 +127,52 @@ def test_eager_fast_path_is_taken_only_in_plain_eager():
     from deformconv.eager import fast_path_ok
 
     x = torch.randn(1, 2, 3, 3)
-    assert fast_path_ok([x, None, torch.nn.Parameter(x)], autocasting=False)
-    assert not fast_path_ok([x], autocasting=True)
-    assert not fast_path_ok([x.to("meta")], autocasting=False)
+    assert fast_path_ok([x, None, torch.nn.Parameter(x)])
+    assert not fast_path_ok([x.to("meta")])
     with FakeTensorMode() as mode:
-        assert not fast_path_ok([mode.from_tensor(x)], autocasting=False)
+        assert not fast_path_ok([mode.from_tensor(x)])
 
     class Spy(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
     with Spy():
-        assert not fast_path_ok([x], autocasting=False)
+        assert not fast_path_ok([x])
     seen = []
-    torch.vmap(lambda t: seen.append(fast_path_ok([t], autocasting=False)) or t)(x)
+    torch.vmap(lambda t: seen.append(fast_path_ok([t])) or t)(x)
     assert seen == [False]
+
+
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), pytest.param("cuda", torch.float16, marks=requires_cuda),
+                                          pytest.param("cuda", torch.bfloat16, marks=requires_cuda)])
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64], ids=["fp32-weight", "fp64-weight"])
+def test_autocast_takes_the_fast_path_with_the_op_results(device, dtype, weight_dtype, monkeypatch):
+    """Under autocast the public function casts as the op's autocast rule does (floating tensors other than float64
+    to the autocast dtype) and runs the eager fast path: no dispatcher, and the output and every gradient equal the
+    registered op's bit for bit (float64 stays float64: here the weight, so the call mixes dtypes as autocast
+    leaves them)."""
+    import deformconv.eager as eager
+
+    calls = []
+    real = eager.forward_impl
+    monkeypatch.setattr(eager, "forward_impl", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def grads(fn):
+        torch.manual_seed(0)
+        x, offset, weight, bias, m, s, p, d, _ = _op_args(dtype=torch.float32, seed=11, device=device)
+        weight = weight.detach().to(weight_dtype).requires_grad_(True)
+        with torch.autocast(device, dtype=dtype):
+            out = fn(x, offset, weight, bias, m, s, p, d)
+        out.float().sum().backward()
+        return [out] + [t.grad for t in (x, offset, weight, bias, m)]
+
+    fast = grads(lambda x, o, w, b, m, s, p, d: deformconv.deform_conv2d(x, o, w, b, s, p, d, m))
+    assert calls == [1]  # the fast path ran the forward
+    op = grads(lambda x, o, w, b, m, s, p, d: torch.ops.deformconv.deform_conv2d(x, o, w, b, m, s, p, d, ""))
+    assert fast[0].dtype == dtype and fast[1].dtype == torch.float32 and fast[3].dtype == weight_dtype
+    for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"], fast, op):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
 
 def test_meta_tensors_still_get_the_fake_impl():

@@ -11,6 +11,7 @@ from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args
 from .eager import DeformConv2dFunction, fast_path_ok
+from .library import autocast_inputs
 
 
 def _autocasting(input) -> bool:
@@ -81,7 +82,10 @@ def deform_conv2d(
     )
     if backend is not None:
         get_backend(backend)  # unknown names fail here, with the list of known ones
-    args = (input, offset, weight, bias, mask, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
-    if fast_path_ok([input, offset, weight, bias, mask], autocasting):
+    tensors = [input, offset, weight, bias, mask]
+    if autocasting:  # the cast the op's autocast rule makes (library.py), done here for the eager fast path
+        tensors = autocast_inputs(tensors, input.device.type)
+    args = (*tensors, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
+    if fast_path_ok(tensors):
         return DeformConv2dFunction.apply(*args)  # plain eager: the same impls, without the dispatcher
     return torch.ops.deformconv.deform_conv2d(*args)

@@ -182,19 +182,24 @@ deform_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
 _lib = torch.library.Library("deformconv", "FRAGMENT")
 
 
+def autocast_inputs(args, device_type: str) -> list:
+    """args with every floating tensor on device_type, other than float64, cast to the active autocast dtype."""
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(v):
+        if isinstance(v, Tensor) and v.is_floating_point() and v.device.type == device_type and v.dtype != torch.float64:
+            return v.to(dtype)
+        return v
+
+    return [cast(a) for a in args]
+
+
 def _autocast_rule(device_type: str):
     key = torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(device_type)]
 
     def kernel(_keyset, *args):
-        dtype = torch.get_autocast_dtype(device_type)
-
-        def cast(v):
-            if isinstance(v, Tensor) and v.is_floating_point() and v.device.type == device_type and v.dtype != torch.float64:
-                return v.to(dtype)
-            return v
-
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return torch.ops.deformconv.deform_conv2d.default(*(cast(a) for a in args))
+            return torch.ops.deformconv.deform_conv2d.default(*autocast_inputs(args, device_type))
 
     return kernel
 

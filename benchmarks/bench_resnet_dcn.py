@@ -1,0 +1,216 @@
+"""The real network: ResNet-50 with DCNv2 in stages c3-c5 (mmdetection's stage_with_dcn = (False, True, True,
+True), built with deformconv.make_deformable), on deformconv and on torchvision.ops.deform_conv2d, against plain
+ResNet-50 with the same weights.
+
+    python benchmarks/bench_resnet_dcn.py [--cases ...] [--modes eager default reduce-overhead] [--layers] [--out PATH]
+
+Per case (batch @ resolution, autocast dtype): a training step (forward, cross-entropy or a feature sum at detection
+resolution, backward, SGD step) and an inference forward, each the median wall time of 30 steps after 10 warm-up
+steps (synchronised each step: what a training loop sees, host included), and the peak memory of a step. --layers
+adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN layer shape of the network, against
+cuDNN's plain convolution and torchvision's eager call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+CASES = {"b32-224": (32, 224, 224), "b2-800x1216": (2, 800, 1216)}
+
+
+class TorchvisionModulatedDeformConv2dPack(nn.Module):
+    """The same layer (parameters and offset conv) as deformconv's ModulatedDeformConv2dPack, on torchvision's op."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        import torchvision
+
+        offset, mask = self.layer.offset_and_mask(x)
+        L = self.layer
+        return torchvision.ops.deform_conv2d(x, offset, L.weight, L.bias, L.stride, L.padding, L.dilation, mask)
+
+
+def build(kind: str, base: nn.Module) -> nn.Module:
+    import deformconv
+
+    net = copy.deepcopy(base)
+    if kind == "plain":
+        return net
+    deformconv.make_deformable(net, deformconv.resnet_stages((False, True, True, True)))
+    torch.manual_seed(1)
+    for m in net.modules():  # offsets that move the samples (a trained net's are not zero)
+        if isinstance(m, deformconv.ModulatedDeformConv2dPack):
+            nn.init.normal_(m.conv_offset.weight, std=0.01)
+    if kind == "torchvision":
+        for name, m in list(net.named_modules()):
+            if isinstance(m, deformconv.ModulatedDeformConv2dPack):
+                parent, _, child = name.rpartition(".")
+                setattr(net.get_submodule(parent), child, TorchvisionModulatedDeformConv2dPack(m))
+    return net
+
+
+def timed(step, steps=30, warmup=10):
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
+
+
+def run_case(kind, base, case, dtype, mode, log):
+    n, h, w = CASES[case]
+    net = build(kind, base).cuda().to(memory_format=torch.channels_last)
+    if h != w:  # detection resolution: the backbone's features, no classifier
+        net.fc = nn.Identity()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, 3, h, w, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (n,), device="cuda", generator=g)
+    fwd = net if mode == "eager" else torch.compile(net, mode=None if mode == "default" else mode)
+    rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
+
+    def loss_of(out):
+        return F.cross_entropy(out.float(), y) if h == w else out.float().square().mean()
+
+    def train_step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.autocast("cuda", dtype=dtype):
+            loss = loss_of(fwd(x))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def infer_step():
+        if mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
+            fwd(x)
+
+    try:
+        net.train()
+        t0 = time.perf_counter()
+        train_step()
+        torch.cuda.synchronize()
+        rec["first_train_step_s"] = round(time.perf_counter() - t0, 2)
+        rec["train_ms"], rec["train_peak_mib"] = timed(train_step)
+        net.eval()
+        rec["infer_ms"], rec["infer_peak_mib"] = timed(infer_step)
+    except Exception as e:  # e.g. torchvision has no bf16 kernel: recorded, not fatal
+        rec["error"] = f"{type(e).__name__}: {e}"[:200]
+    log(rec)
+    return rec
+
+
+def layer_shapes(case):
+    """(N, Cin, H, W, stride) of each distinct DCN layer of ResNet-50 c3-c5 at a case: each stage's strided first
+    block, then its other blocks."""
+    n, h, w = CASES[case]
+    shapes, size = [], (h // 4, w // 4)
+    for cin in (128, 256, 512):
+        shapes.append((n, cin, size[0], size[1], 2))  # torchvision's ResNet-50 strides the 3x3 conv
+        size = ((size[0] + 1) // 2, (size[1] + 1) // 2)
+        shapes.append((n, cin, size[0], size[1], 1))
+    return shapes
+
+
+def layer_times(case, dtype, log):
+    import torchvision
+    from triton.testing import do_bench, do_bench_cudagraph
+
+    import deformconv
+
+    rows = []
+    for n, c, h, w, s in layer_shapes(case):
+        ho, wo = (h - 1) // s + 1, (w - 1) // s + 1
+        g = torch.Generator(device="cuda").manual_seed(0)
+        mk = lambda *sz, scale=1.0: (torch.randn(*sz, device="cuda", generator=g) * scale).to(dtype).requires_grad_()  # noqa: E731
+        x, off, wt, b = mk(n, c, h, w), mk(n, 18, ho, wo, scale=2.0), mk(c, c, 3, 3, scale=(9 * c) ** -0.5), mk(c)
+        m = torch.rand(n, 9, ho, wo, device="cuda", generator=g).to(dtype).requires_grad_()
+        gout = torch.randn(n, c, ho, wo, device="cuda", generator=g).to(dtype)
+        leaves = [x, off, wt, b, m]
+        fns = {"deformconv": lambda: deformconv.deform_conv2d(x, off, wt, b, s, 1, 1, m),
+               "conv2d": lambda: F.conv2d(x, wt, b, s, 1),
+               "torchvision": lambda: torchvision.ops.deform_conv2d(x, off, wt, b, s, 1, 1, m)}
+        row = dict(case=case, dtype=str(dtype).split(".")[-1], N=n, C=c, H=h, W=w, stride=s)
+        for name, fn in fns.items():
+            def step(fn=fn):
+                fn().backward(gout)
+            try:
+                step()
+                row[f"{name}_fb_ms"] = do_bench(step, grad_to_none=leaves, return_mode="median")
+                if name != "torchvision":
+                    row[f"{name}_fb_graph_ms"] = do_bench_cudagraph(step, grad_to_none=leaves, return_mode="median")
+            except Exception as e:
+                row[f"{name}_error"] = f"{type(e).__name__}: {e}"[:120]
+        log(row)
+        rows.append(row)
+    return rows
+
+
+def main(argv=None):
+    import torchvision
+
+    from deformconv.benchmark import environment
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cases", nargs="+", default=["b32-224:bfloat16", "b32-224:float16", "b2-800x1216:bfloat16"],
+                    help="case:dtype, cases: " + ", ".join(CASES))
+    ap.add_argument("--nets", nargs="+", default=["plain", "deformconv", "torchvision"])
+    ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
+    ap.add_argument("--layers", action="store_true")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    base = torchvision.models.resnet50()
+    log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
+    records, layers = [], []
+    for spec in args.cases:
+        case, dt = spec.split(":")
+        for mode in args.modes:
+            for kind in args.nets:
+                records.append(run_case(kind, base, case, getattr(torch, dt), mode, log))
+        if args.layers:
+            layers += layer_times(case, getattr(torch, dt), log)
+        torch.cuda.empty_cache()
+    print("\n| case | dtype | mode | net | train step ms | inference ms | train peak MiB |")
+    print("|---|---|---|---|---|---|---|")
+    for r in records:
+        print(f"| {r['case']} | {r['dtype']} | {r['mode']} | {r['net']} | {r.get('train_ms', float('nan')):.1f} | "
+              f"{r.get('infer_ms', float('nan')):.1f} | {r.get('train_peak_mib', float('nan')):.0f} |")
+    if layers:
+        print("\n| case | dtype | N, C, HxW, stride | ours fwd+bwd GPU ms | conv GPU ms | ours/conv | ours eager | tv eager |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in layers:
+            ours, conv = r.get("deformconv_fb_graph_ms"), r.get("conv2d_fb_graph_ms")
+            print(f"| {r['case']} | {r['dtype']} | {r['N']}, {r['C']}, {r['H']}x{r['W']}, {r['stride']} | "
+                  f"{ours:.3f} | {conv:.3f} | {ours / conv:.2f} | {r.get('deformconv_fb_ms', 0):.3f} | "
+                  f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"environment": environment("cuda"), "records": records, "layers": layers}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

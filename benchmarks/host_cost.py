@@ -1,0 +1,134 @@
+"""Host cost of one call: microseconds of CPU a tiny layer's forward and forward+backward take, GPU idle.
+
+    python benchmarks/host_cost.py [--shape N,Cin,Cout,H,W] [--calls 300] [--profile PATH] [--out PATH]
+
+A tiny layer (default 2x16->16 at 8x8, 3x3, a mask) keeps the GPU far from busy, so the wall time of a loop of calls
+is the host's time per call. Rows: F.conv2d (the floor), torchvision.ops.deform_conv2d and deformconv, in plain
+eager (fp16, fp32) and under autocast (bf16, fp16; fp32 inputs), each the median of 7 loops; ratios against
+torchvision's. --profile writes cProfile's statistics of deformconv's fp16 forward+backward loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import cProfile
+import io
+import json
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def _inputs(shape, dtype, device, grad):
+    n, cin, cout, h, w = shape
+    g = torch.Generator(device=device).manual_seed(0)
+    t = [torch.randn(n, cin, h, w, generator=g, device=device), torch.randn(n, 18, h, w, generator=g, device=device),
+         torch.randn(cout, cin, 3, 3, generator=g, device=device) * 0.1, torch.randn(cout, generator=g, device=device),
+         torch.rand(n, 9, h, w, generator=g, device=device)]
+    return [x.to(dtype).requires_grad_(grad) for x in t]
+
+
+def _loop_us(step, calls: int, device) -> float:
+    for _ in range(20):  # warm: compile, plans, allocator
+        step()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(7):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step()
+        t1 = time.perf_counter()  # host time: launches are queued, the GPU is far from busy
+        torch.cuda.synchronize(device)
+        times.append((t1 - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    import torchvision
+
+    import deformconv
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2,16,16,8,8", help="N,Cin,Cout,H,W (3x3, padding 1)")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--profile", help="write cProfile stats of deformconv's fp16 fwd+bwd loop here")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    device = torch.device("cuda")
+    shape = tuple(int(v) for v in args.shape.split(","))
+    impls = {
+        "F.conv2d": lambda x, o, w, b, m: F.conv2d(x, w, b, padding=1),
+        "torchvision": lambda x, o, w, b, m: torchvision.ops.deform_conv2d(x, o, w, b, padding=1, mask=m),
+        "deformconv": lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m),
+    }
+    cases = [("fp16", torch.float16, None), ("fp32", torch.float32, None), ("autocast bf16", torch.float32, torch.bfloat16),
+             ("autocast fp16", torch.float32, torch.float16)]
+    rows = []
+    for label, dtype, autocast in cases:
+        for name, fn in impls.items():
+            row = dict(case=label, impl=name)
+            for grad in (False, True):
+                leaves = _inputs(shape, dtype, device, grad)
+                ctx = (lambda: torch.autocast("cuda", dtype=autocast)) if autocast else contextlib.nullcontext
+
+                def step():
+                    with ctx():
+                        out = fn(*leaves)
+                    if grad:
+                        out.backward(torch.ones_like(out))
+
+                try:
+                    row["fwd+bwd_us" if grad else "fwd_us"] = _loop_us(step, args.calls, device)
+                except Exception as e:  # torchvision has no bf16
+                    row["fwd+bwd_us" if grad else "fwd_us"] = None
+                    row["error"] = f"{type(e).__name__}: {e}"[:120]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print(f"\nHost time per call (us), layer {shape} 3x3 with a mask, {torch.cuda.get_device_name()}, torch "
+          f"{torch.__version__}\n")
+    print("| case | F.conv2d fwd | torchvision fwd | deformconv fwd | ours / tv | F.conv2d fwd+bwd | torchvision fwd+bwd "
+          "| deformconv fwd+bwd | ours / tv |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+    for label, _, _ in cases:
+        r = {row["impl"]: row for row in rows if row["case"] == label}
+        cells = []
+        for p in ("fwd_us", "fwd+bwd_us"):
+            conv, tv, ours = r["F.conv2d"][p], r["torchvision"][p], r["deformconv"][p]
+            ratio = f"{ours / tv:.2f}" if tv and ours else "-"
+            cells += [fmt(conv), fmt(tv), fmt(ours), ratio]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if args.profile:
+        leaves = _inputs(shape, torch.float16, device, True)
+
+        def step():
+            out = impls["deformconv"](*leaves)
+            out.backward(torch.ones_like(out))
+
+        _loop_us(step, 10, device)
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.calls):
+            step()
+        prof.disable()
+        torch.cuda.synchronize(device)
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(45)
+        with open(args.profile, "w") as f:
+            f.write(text.getvalue())
+
+
+if __name__ == "__main__":
+    main()
