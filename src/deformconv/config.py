@@ -38,8 +38,22 @@ ENVIRONMENT: Dict[str, EnvVar] = {v.name: v for v in (
 )}
 
 
+# The variables' raw values, looked up at every read without os.environ's per-key encoding and decoding (its
+# underlying dict, where the platform has one): a call reads several, and they are on every call's host path.
+_KEYS = tuple(ENVIRONMENT) + ("TRITON_INTERPRET",)
+_ENV_DATA = getattr(os.environ, "_data", None)
+_ENV_ENCODE = getattr(os.environ, "encodekey", None)
+_ENV_DECODE = getattr(os.environ, "decodevalue", None)
+_RAW_KEYS = {k: _ENV_ENCODE(k) for k in _KEYS} if None not in (_ENV_DATA, _ENV_ENCODE, _ENV_DECODE) else None
+
+
 def _raw(name: str) -> str:
-    return os.environ.get(name, ENVIRONMENT[name].default)
+    if _RAW_KEYS is None:
+        return os.environ.get(name, ENVIRONMENT[name].default if name in ENVIRONMENT else "")
+    value = _ENV_DATA.get(_RAW_KEYS[name])
+    if value is None:
+        return ENVIRONMENT[name].default if name in ENVIRONMENT else ""
+    return _ENV_DECODE(value)
 
 
 def _flag(name: str) -> bool:
@@ -80,7 +94,7 @@ def workspace_budget() -> Optional[float]:
 
 def triton_interpret() -> bool:
     """Triton's own TRITON_INTERPRET: kernels run in its CPU interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _raw("TRITON_INTERPRET") not in ("", "0")
 
 
 @dataclass

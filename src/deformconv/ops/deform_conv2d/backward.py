@@ -89,9 +89,8 @@ def deform_conv2d_backward(
     pw = pb = None  # grad_weight's and grad_bias's fp32 partial sums, for finish_grads
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
-        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
-        concurrent, step = backward_schedule(input, grad_out, geo, weight.numel(), need_in,
-                                             need_in or need_off or need_mask, need_w, fixed_gin)
+        concurrent, step = _schedule(grad_out, input, offset, weight, mask, stride, padding, dilation, need_in,
+                                     need_off or need_mask, need_w, fixed_gin)
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices cost microseconds each, so none where the chunk is the batch)
@@ -120,6 +119,20 @@ def deform_conv2d_backward(
         fw, grad_b = finish_grads(weight, pw, pb)
         grad_w = fw if pw is not None else grad_w
     return grad_in, grad_off, grad_mask, grad_w, grad_b
+
+
+def _schedule(grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding,
+              dilation, need_in: bool, need_off_mask: bool, need_w: bool, fixed_gin: bool) -> Tuple[bool, int]:
+    """schedule.backward_schedule of this call signature (and budget), worked out once."""
+    schedules = options.cache("schedules")
+    key = plan_key("schedule", input, offset, weight, mask, stride, padding, dilation, (), grad_out.stride(), need_in,
+                   need_off_mask, need_w, fixed_gin, config.workspace_budget(), config.backward_streams())
+    found = schedules.get(key)
+    if found is None:
+        geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
+        found = remember(schedules, key, backward_schedule(input, grad_out, geo, weight.numel(), need_in,
+                                                           need_in or need_off_mask, need_w, fixed_gin))
+    return found
 
 
 @dataclass
@@ -212,12 +225,13 @@ def _backward_chunk(
     # candidates are timed: DEFORMCONV_AUTOTUNE's first call). Every tensor it reads or writes was allocated on this
     # stream before the fork, and this stream waits for it before any of them is freed, so the caching allocator
     # cannot hand their memory out early.
-    side = main = targets = None
+    side = main = join = targets = None
     if need_w and concurrent and not (config.autotune() and plan.data is None):
         targets = new_targets()
-        side = side_stream(input.device)
+        side, fork, join = side_stream(input.device)
         main = torch.cuda.current_stream(input.device)  # looked up once (its Stream object costs microseconds)
-        side.wait_stream(main)
+        fork.record(main)
+        side.wait_event(fork)
         torch.cuda.set_stream(side)
         try:
             grad_weight_into(targets)
@@ -255,7 +269,8 @@ def _backward_chunk(
             del gin, acc, operands
     finally:  # the side stream joins this one before anything it uses can be freed, even after an error
         if side is not None:
-            main.wait_stream(side)
+            join.record(side)
+            main.wait_event(join)
 
     # --- grad_weight: launched here unless it runs beside grad_input ---
     grad_w, grad_b = None, go_sums

@@ -140,10 +140,12 @@ def side_streams_usable(device: torch.device) -> bool:
     return device.type == "cuda" and config.backward_streams()
 
 
-def side_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The backward's side stream on a CUDA device (one per device, created on first use)."""
+def side_stream(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.Event"]:
+    """The backward's side stream on a CUDA device, with the two events that fork it from the calling stream and
+    join it back (one set per device, created on first use: an event recorded and waited on at once can be reused,
+    and a new one a call costs host time)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     streams = options.cache("side_streams")
     if index not in streams:
-        streams[index] = torch.cuda.Stream(device=index)
+        streams[index] = (torch.cuda.Stream(device=index), torch.cuda.Event(), torch.cuda.Event())
     return streams[index]
