@@ -115,7 +115,10 @@ def run_case(kind, base, case, dtype, mode, log):
         net.eval()
         rec["infer_ms"], rec["infer_peak_mib"] = timed(infer_step)
     except Exception as e:  # e.g. torchvision has no bf16 kernel: recorded, not fatal
+        import traceback
+
         rec["error"] = f"{type(e).__name__}: {e}"[:200]
+        rec["traceback"] = traceback.format_exc()[-1500:]
     log(rec)
     return rec
 

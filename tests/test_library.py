@@ -110,11 +110,18 @@ def _grads_of(fn, backend):
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_eager_fast_path_equals_the_op_bitwise(backend):
-    torch.manual_seed(0)
-    fast = _grads_of(lambda x, o, w, b, m, s, p, d, be: deformconv.deform_conv2d(
-        x, o, w, b, stride=s, padding=p, dilation=d, mask=m, backend=be), backend)
-    torch.manual_seed(0)
-    op = _grads_of(torch.ops.deformconv.deform_conv2d, backend)
+    """The fast path and the op give the same bits. On a GPU grad_input's float atomics add in any order, so both
+    run in deterministic mode there (fixed-point sums: the same bits every run)."""
+    deterministic = backend == "triton" and HAS_CUDA
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        torch.manual_seed(0)
+        fast = _grads_of(lambda x, o, w, b, m, s, p, d, be: deformconv.deform_conv2d(
+            x, o, w, b, stride=s, padding=p, dilation=d, mask=m, backend=be), backend)
+        torch.manual_seed(0)
+        op = _grads_of(torch.ops.deformconv.deform_conv2d, backend)
+    finally:
+        torch.use_deterministic_algorithms(False)
     for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"], fast, op):
         assert a is not None and b is not None, name
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
@@ -166,9 +173,13 @@ def test_autocast_takes_the_fast_path_with_the_op_results(device, dtype, weight_
         out.float().sum().backward()
         return [out] + [t.grad for t in (x, offset, weight, bias, m)]
 
-    fast = grads(lambda x, o, w, b, m, s, p, d: deformconv.deform_conv2d(x, o, w, b, s, p, d, m))
-    assert calls == [1]  # the fast path ran the forward
-    op = grads(lambda x, o, w, b, m, s, p, d: torch.ops.deformconv.deform_conv2d(x, o, w, b, m, s, p, d, ""))
+    torch.use_deterministic_algorithms(device == "cuda")  # grad_input's float atomics add in any order on a GPU
+    try:
+        fast = grads(lambda x, o, w, b, m, s, p, d: deformconv.deform_conv2d(x, o, w, b, s, p, d, m))
+        assert calls == [1]  # the fast path ran the forward
+        op = grads(lambda x, o, w, b, m, s, p, d: torch.ops.deformconv.deform_conv2d(x, o, w, b, m, s, p, d, ""))
+    finally:
+        torch.use_deterministic_algorithms(False)
     assert fast[0].dtype == dtype and fast[1].dtype == torch.float32 and fast[3].dtype == weight_dtype
     for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"], fast, op):
         assert a.dtype == b.dtype, name
@@ -191,3 +202,29 @@ def test_double_backward_raises_instead_of_a_silent_zero(path):
     (g,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="differentiate twice|no autograd formula"):
         (g.square().sum() + out.sum()).backward()
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("layout", ["nchw", "channels_last"])
+def test_backward_op_fake_strides_match_the_real_ones(backend, layout):
+    """The backward op's fake impl gives each gradient the strides the real one returns (torch.compile asserts them):
+    grad_input and grad_weight in their tensor's memory format, grad_offset and grad_mask NCHW-contiguous, with
+    channels_last offset and mask too (a channels_last model's offset conv)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    triton = backend == "triton"
+    x, offset, weight, bias, m, s, p, d, _ = _op_args(dtype=torch.float32 if triton else torch.float64, seed=3,
+                                                      device="cuda" if triton and HAS_CUDA else "cpu")
+    tensors = [t.detach() for t in (x, offset, weight, m)]
+    if layout == "channels_last":
+        tensors = [t.contiguous(memory_format=torch.channels_last) for t in tensors]
+    x, offset, weight, m = tensors
+    grad_out = torch.randn(2, 6, 6, 7, dtype=x.dtype, device=x.device)
+    args = (grad_out, x, offset, weight, m, s, p, d, [True] * 5, backend)
+    real = torch.ops.deformconv.deform_conv2d_backward(*args)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.deformconv.deform_conv2d_backward(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a
+                                                            for a in args])
+    for name, r, f in zip(["input", "offset", "mask", "weight", "bias"], real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), name
+    assert real[1].is_contiguous() and real[2].is_contiguous()

@@ -115,14 +115,18 @@ def _zero_grads(input, offset, weight, mask, grad_out):
 
 @deform_conv2d_backward_op.register_fake
 def _(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend):
-    def like(t: Optional[Tensor], need: bool) -> Tensor:
+    def like(t: Optional[Tensor], need: bool, keep_format: bool = True) -> Tensor:
         if t is None or not need:
             return input.new_empty(0)
-        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=suggest_memory_format(t))
+        fmt = suggest_memory_format(t) if keep_format else torch.contiguous_format
+        return torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
 
+    # grad_input and grad_weight come in their tensor's memory format, grad_offset and grad_mask NCHW-contiguous (the
+    # kernels write them so), from every backend
     need_in, need_off, need_mask, need_w, need_b = needs
     grad_b = weight.new_empty(weight.shape[0]) if need_b else input.new_empty(0)
-    return like(input, need_in), like(offset, need_off), like(mask, need_mask), like(weight, need_w), grad_b
+    return (like(input, need_in), like(offset, need_off, False), like(mask, need_mask, False), like(weight, need_w),
+            grad_b)
 
 
 # --- autograd ------------------------------------------------------------------------------------------

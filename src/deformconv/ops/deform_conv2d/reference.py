@@ -197,18 +197,21 @@ def deform_conv2d_backward(
                     src = src.reshape(n, G, cg, K * L).transpose(2, 3)
                     rows.index_add_(0, (flat + row_base).reshape(-1), src.reshape(-1, cg))
 
-    def _out(t: Optional[Tensor], like: Tensor) -> Optional[Tensor]:
+    def _out(t: Optional[Tensor], like: Tensor, keep_format: bool = True) -> Optional[Tensor]:
+        """t shaped and typed as like: in like's memory format, or NCHW-contiguous (grad_offset and grad_mask, as
+        the Triton backend writes them)."""
         if t is None:
             return None
-        return t.reshape(like.shape).to(like.dtype).contiguous(memory_format=suggest_memory_format(like))
+        fmt = suggest_memory_format(like) if keep_format else torch.contiguous_format
+        return t.reshape(like.shape).to(like.dtype).contiguous(memory_format=fmt)
 
     grad_b = go_all.sum((0, 2, 3)).to(weight.dtype) if need_b else None
     if grad_in is not None:
         grad_in = grad_in.transpose(2, 3)
     return (
         _out(grad_in, input),
-        _out(grad_off, offset),
-        _out(grad_mask, mask) if need_mask else None,
+        _out(grad_off, offset, False),
+        _out(grad_mask, mask, False) if need_mask else None,
         _out(grad_w, weight),
         grad_b,
     )
