@@ -75,13 +75,30 @@ def test_bench_cpu_prints_table_and_writes_json(tmp_path, capsys):
     (["demo", "--size", "8"], "--size must be at least 16, got 8"),
     (["bench", "--shapes", "nope"], "unknown shape"),
     (["frobnicate"], "invalid choice"),
-], ids=["epochs-zero", "size-small", "bench-shape", "unknown-command"])
+    (["demo", "--device", "foo"], "argument --device: expected cpu, cuda or cuda:N, got 'foo'"),
+    (["demo", "--device", "mps"], "argument --device: deformconv runs on cpu or cuda, got 'mps'"),
+    (["bench", "--device", "foo"], "argument --device: expected cpu, cuda or cuda:N, got 'foo'"),
+    (["bench", "--device", "cuda:99"], "argument --device: 'cuda:99'"),
+    (["demo", "--lr", "-1"], "argument --lr: must be a positive number, got -1"),
+    (["demo", "--lr", "abc"], "argument --lr: must be a positive number, got 'abc'"),
+    (["demo", "--batch", "x"], "argument --batch: must be a positive integer, got 'x'"),
+], ids=["epochs-zero", "size-small", "bench-shape", "unknown-command", "device-foo", "device-mps", "bench-device-foo",
+        "device-index", "lr-negative", "lr-text", "batch-text"])
 def test_bad_options_give_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code != 0
     captured = capsys.readouterr()
     assert message in captured.err + captured.out + str(exc.value.code)
+
+
+@pytest.mark.parametrize("argv", [["demo", "--device", "foo"], ["bench", "--device", "mps"], ["demo", "--lr", "0"]])
+def test_bad_values_end_in_one_line_and_a_nonzero_exit(argv):
+    """From the shell: usage, one error line, exit status 2, no traceback."""
+    proc = subprocess.run([sys.executable, "-m", "deformconv", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if "error:" in line] == [proc.stderr.strip().splitlines()[-1]]
 
 
 def test_python_dash_m_entry_point():

@@ -173,6 +173,52 @@ def test_non_finite_values_spread_as_in_torchvision(backend, dtype, poison):
         assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
 
 
+@pytest.mark.parametrize("where", ["offset-dy", "offset-dx", "mask"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e30, -1e30],
+                         ids=["nan", "inf", "-inf", "huge", "-huge"])
+def test_non_finite_offsets_and_masks_as_in_torchvision(where, value):
+    """One NaN, +-Inf or huge finite value in the offset (either component) or the mask: the reference backend's
+    output and every gradient are non-finite exactly where torchvision's are (a NaN sample point samples NaN; an
+    infinite or huge one lies outside the image and samples 0). The Triton kernels do not yet zero an infinite
+    sample point's value (they make it NaN): the GPU tests say where."""
+    args, kwargs = make_case(**CONFIGS["3x3-pad1"], dtype=torch.float64, seed=8)
+    x, offset, weight, _ = args
+    offset, mask = offset.clone(), kwargs["mask"].clone()
+    if where == "mask":
+        mask[0, 4, 2, 3] = value
+    else:
+        offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value  # tap 4 (the centre): a dy or a dx
+    grad_out = torch.randn(2, 6, 5, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+
+    def run(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, offset, weight, mask)]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, grad_out)]
+
+    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend="reference"))
+    if where == "offset-dx" and value != value:
+        # torchvision's CPU kernel crashes on a NaN dx (an undefined float-to-int conversion); a NaN sample point is
+        # the same whichever component is NaN, so ours must give what torchvision gives for a NaN dy at that tap,
+        # with the offset gradient's two components swapped
+        offset = offset.clone()
+        offset[0, 9, 2, 3], offset[0, 8, 2, 3] = offset[0, 8, 2, 3], value
+        theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m))
+        g = theirs[2].clone()
+        g[0, 8, 2, 3], g[0, 9, 2, 3] = theirs[2][0, 9, 2, 3], theirs[2][0, 8, 2, 3]
+        theirs[2] = g
+        checks = ("output", "grad_offset", "grad_weight", "grad_mask")
+        ours, theirs = [ours[i] for i in (0, 2, 3, 4)], [theirs[i] for i in (0, 2, 3, 4)]
+        for name, a, t in zip(checks, ours, theirs):
+            assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
+        return
+    theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m))
+    for name, a, t in zip(("output", "grad_input", "grad_offset", "grad_weight", "grad_mask"), ours, theirs):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(t)), (name, int((~torch.isfinite(a)).sum()),
+                                                                    int((~torch.isfinite(t)).sum()))
+        finite = torch.isfinite(t)
+        torch.testing.assert_close(a[finite], t[finite], atol=1e-10, rtol=1e-10, msg=name)
+
+
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
 def test_integer_offsets_on_pixels_and_borders(backend, dtype):
     """Offsets that land exactly on pixels, on the border rows/columns, at -1 and H/W, and just inside

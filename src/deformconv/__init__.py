@@ -5,7 +5,7 @@ A drop-in for ``torchvision.ops.deform_conv2d`` registered as one ``torch.librar
 """
 
 from .backends import not_supported_reasons, select_backend
-from .functional import deform_conv2d
+from .functional import deform_conv2d, deform_conv2d_script
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 from .surgery import make_deformable, resnet_stages
 
@@ -13,6 +13,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "deform_conv2d",
+    "deform_conv2d_script",
     "DeformConv2d",
     "DeformConv2dPack",
     "ModulatedDeformConv2dPack",

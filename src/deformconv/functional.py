@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional
 
 import torch
 from torch import Tensor
 
 from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from .backends import get_backend
-from .checks import IntPair, check_deform_conv2d_args
+from .checks import IntPair, check_deform_conv2d_args, pair
 from .eager import DeformConv2dFunction, fast_path_ok
 from .library import autocast_inputs
 
@@ -76,6 +76,11 @@ def deform_conv2d(
         >>> out.shape
         torch.Size([2, 16, 10, 12])
     """
+    if torch.jit.is_tracing():  # the op's own checks run untraced (no TracerWarnings from reading shapes here)
+        stride, padding, dilation = (list(pair(v, n)) for v, n in ((stride, "stride"), (padding, "padding"),
+                                                                    (dilation, "dilation")))
+        return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation,
+                                                  backend or "")
     autocasting = _autocasting(input)
     geo = check_deform_conv2d_args(
         input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocasting
@@ -89,3 +94,24 @@ def deform_conv2d(
     if fast_path_ok(tensors):
         return DeformConv2dFunction.apply(*args)  # plain eager: the same impls, without the dispatcher
     return torch.ops.deformconv.deform_conv2d(*args)
+
+
+def deform_conv2d_script(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int],
+                         padding: List[int], dilation: List[int], mask: Optional[Tensor]) -> Tensor:
+    """:func:`deform_conv2d` in a form TorchScript compiles (``torch.jit.script``): the registered op with its
+    arguments checked inside it. The modules call it when scripted. A saved scripted or traced model loads and runs
+    in a process that has imported deformconv (which registers the op).
+
+    Args:
+        as :func:`deform_conv2d`, with ``stride``, ``padding`` and ``dilation`` as lists of two ints and ``mask``
+        positional.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> f = torch.jit.script(deformconv.deform_conv2d_script)
+        >>> x, w = torch.randn(1, 4, 6, 6), torch.randn(8, 4, 3, 3)
+        >>> f(x, torch.zeros(1, 18, 6, 6), w, None, [1, 1], [1, 1], [1, 1], None).shape
+        torch.Size([1, 8, 6, 6])
+    """
+    return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation, "")

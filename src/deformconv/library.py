@@ -17,7 +17,7 @@ from torch import Tensor
 
 from . import config
 from .backends import get_backend, select_backend
-from .checks import geometry_from_tensors, suggest_memory_format
+from .checks import check_deform_conv2d_args, geometry_from_tensors, suggest_memory_format
 
 
 def _backend_for(t: Tensor, requested: str):
@@ -47,6 +47,9 @@ def deform_conv2d_op(
     dilation: List[int],
     backend: str,
 ) -> Tensor:
+    # calls that reach the op without the public function's checks (TorchScript, tracing, direct calls) are checked
+    # here; mixed dtypes as the autocast rule leaves them (float64 beside a 16-bit dtype) are allowed
+    check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=True)
     return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
 
 

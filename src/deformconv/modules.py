@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .checks import IntPair, pair
-from .functional import deform_conv2d
+from .functional import deform_conv2d, deform_conv2d_script
 
 
 class DeformConv2d(nn.Module):
@@ -81,9 +81,14 @@ class DeformConv2d(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def forward(self, input: Tensor, offset: Tensor, mask: Optional[Tensor] = None) -> Tensor:
-        return deform_conv2d(
-            input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask
-        )
+        return self._deform(input, offset, mask)
+
+    def _deform(self, input: Tensor, offset: Tensor, mask: Optional[Tensor]) -> Tensor:
+        if torch.jit.is_scripting():
+            return deform_conv2d_script(input, offset, self.weight, self.bias, [self.stride[0], self.stride[1]],
+                                        [self.padding[0], self.padding[1]], [self.dilation[0], self.dilation[1]],
+                                        mask)
+        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask)
 
     def extra_repr(self) -> str:
         s = (
@@ -181,8 +186,7 @@ class DeformConv2dPack(_PackBase):
     channels_per_tap = 2
 
     def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
-        offset = self.conv_offset(input)
-        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation)
+        return self._deform(input, self.conv_offset(input), None)
 
 
 class ModulatedDeformConv2dPack(_PackBase):
@@ -216,4 +220,4 @@ class ModulatedDeformConv2dPack(_PackBase):
 
     def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
         offset, mask = self.offset_and_mask(input)
-        return deform_conv2d(input, offset, self.weight, self.bias, self.stride, self.padding, self.dilation, mask)
+        return self._deform(input, offset, mask)

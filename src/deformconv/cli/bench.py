@@ -9,11 +9,14 @@ import json
 
 import torch
 
+from .args import default_device
+from .args import device as device_arg
+
 HELP = "time deform_conv2d vs torchvision vs F.conv2d on this machine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16", "float32", "float64"],
                         help="default: float16 bfloat16 float32 on CUDA, float32 on the CPU")
     parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
@@ -26,9 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from deformconv import benchmark
     from deformconv.backends import PRIORITY, not_supported_reasons
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("deformconv bench: error: --device cuda but CUDA is not available")
+    device = default_device(args.device)
     all_shapes = benchmark.GPU_SHAPES if device.type == "cuda" else benchmark.CPU_SHAPES
     if args.list_shapes:
         for name, s in all_shapes.items():

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .args import default_device, positive_float, positive_int
+from .args import device as device_arg
+
 HELP = "train plain vs deformable CNNs on warped glyphs and show where DCNv2 looks"
 
 # --- the data: 10 glyphs as strokes in [-1, 1]^2 (y down), drawn under random geometry -----------------
@@ -273,23 +276,16 @@ def draw_figures(out_dir, dcn, plain_result, dcn_result, xte, yte, device):
 # --- the command ----------------------------------------------------------------------------------------
 
 
-def _positive_int(s: str) -> int:
-    v = int(s)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {s}")
-    return v
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=_positive_int, default=3, help="training epochs per net (default: 3)")
-    parser.add_argument("--size", type=_positive_int, default=32, help="image side in pixels, >= 16 (default: 32)")
-    parser.add_argument("--train", type=_positive_int, default=3000, help="training images (default: 3000)")
-    parser.add_argument("--test", type=_positive_int, default=1000, help="test images (default: 1000)")
-    parser.add_argument("--width", type=_positive_int, default=12, help="channels of the first DCN-net layer (default: 12)")
-    parser.add_argument("--batch", type=_positive_int, default=64, help="batch size (default: 64)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: 3e-3; x0.1 for offsets)")
+    parser.add_argument("--epochs", type=positive_int, default=3, help="training epochs per net (default: 3)")
+    parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels, >= 16 (default: 32)")
+    parser.add_argument("--train", type=positive_int, default=3000, help="training images (default: 3000)")
+    parser.add_argument("--test", type=positive_int, default=1000, help="test images (default: 1000)")
+    parser.add_argument("--width", type=positive_int, default=12, help="channels of the first DCN-net layer (default: 12)")
+    parser.add_argument("--batch", type=positive_int, default=64, help="batch size (default: 64)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default: 3e-3; x0.1 for offsets)")
     parser.add_argument("--seed", type=int, default=0, help="data, init and order seed (default: 0)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--out", default="deformconv-demo", help="folder for the PNGs (default: ./deformconv-demo/)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -297,9 +293,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.size < 16:
         raise SystemExit(f"deformconv demo: error: --size must be at least 16, got {args.size}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("deformconv demo: error: --device cuda but CUDA is not available")
+    device = default_device(args.device)
     torch.manual_seed(args.seed)
     if device.type == "cpu":
         torch.set_num_threads(max(1, min(torch.get_num_threads(), os.cpu_count() or 1)))

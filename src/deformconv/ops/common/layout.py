@@ -225,7 +225,7 @@ def channel_sum(t: Tensor) -> Tensor:
 def uses_layout_kernel(t: Tensor) -> bool:
     """Whether a layout copy of t goes through a Triton kernel (_transpose_kernel, _pack_weight_kernel): a non-empty
     tensor on CUDA, or on the CPU with options.layout_kernels_on_cpu."""
-    return t.numel() > 0 and (t.device.type == "cuda" or options.layout_kernels_on_cpu)
+    return (t.is_cuda or options.layout_kernels_on_cpu) and t.numel() > 0  # is_cuda: no device object a call
 
 
 def _nhwc_pass(t: Tensor) -> bool:

@@ -44,8 +44,9 @@ def _sampling(offset: Tensor, geo: ConvGeometry, ctype: torch.dtype):
     """Bilinear corner indices and weights for every (sample, offset group, tap, position).
 
     Returns ``corners``: 4 tuples (flat index [n, G, K*L] int64, weight [n, G, K, L], valid [n, G, K, L])
-    in the order (y0,x0), (y0,x1), (y1,x0), (y1,x1), plus ``frac`` = (ly, lx, hy, hx) for the derivatives.
-    Weights of corners outside the image (or of samples outside (-1, H) x (-1, W)) are zero.
+    in the order (y0,x0), (y0,x1), (y1,x0), (y1,x1), plus ``frac`` = (ly, lx, hy, hx) for the derivatives and
+    ``nan`` [n, G, K, L]: where a sample point is NaN. Weights of corners outside the image (or of samples outside
+    (-1, H) x (-1, W), infinite ones included) are zero.
     """
     n = offset.shape[0]
     G, K, L = geo.offset_groups, geo.taps, geo.out_h * geo.out_w
@@ -75,7 +76,7 @@ def _sampling(offset: Tensor, geo: ConvGeometry, ctype: torch.dtype):
         valid = inside & (yi >= 0) & (yi < H) & (xi >= 0) & (xi < W)
         flat = (yi.clamp(0, H - 1) * W + xi.clamp(0, W - 1)).reshape(n, G, K * L)
         corners.append((flat, torch.where(valid, wgt, torch.zeros_like(wgt)), valid))
-    return corners, (ly, lx, hy, hx)
+    return corners, (ly, lx, hy, hx), torch.isnan(y) | torch.isnan(x)
 
 
 def _gather(img: Tensor, flat: Tensor, geo: ConvGeometry) -> Tensor:
@@ -91,12 +92,15 @@ def _columns(input: Tensor, offset: Tensor, mask: Optional[Tensor], geo: ConvGeo
     n = input.shape[0]
     G = geo.offset_groups
     img = input.to(ctype).reshape(n, G, geo.in_channels // G, geo.height * geo.width)
-    corners, frac = _sampling(offset, geo, ctype)
+    corners, frac, nan = _sampling(offset, geo, ctype)
     val = None
     for flat, wgt, valid in corners:
         # a corner outside the image is skipped, not multiplied by 0 (a NaN or Inf there must not spread)
         v = _gather(img, flat, geo).mul_(wgt[:, :, None]).masked_fill_(~valid[:, :, None], 0)
         val = v if val is None else val.add_(v)
+    # a NaN sample point samples NaN, as torchvision's (its bilinear weights are NaN, times corners of 0); an infinite
+    # one lies outside the image and samples 0
+    val.masked_fill_(nan[:, :, None], float("nan"))
     return val, img, corners, frac
 
 
