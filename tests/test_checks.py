@@ -56,7 +56,7 @@ CASES = {
     "integer-input": (dict(input=torch.ones(2, 4, 7, 8, dtype=torch.int64)), TypeError, r"input must be a floating-point tensor, got dtype torch.int64"),
     "complex-offset": (dict(offset=torch.randn(2, 18, 7, 8, dtype=torch.complex64)), TypeError, r"offset must be a floating-point tensor, got dtype torch.complex64"),
     "not-a-tensor": (dict(weight=[[1.0]]), TypeError, r"weight must be a Tensor, got list"),
-    "unknown-backend": (dict(backend="cuda-magic"), ValueError, r"backend must be one of \['reference', 'triton'\] .*got 'cuda-magic'"),
+    "unknown-backend": (dict(backend="cuda-magic"), ValueError, r"backend must be one of \['cpu', 'reference', 'triton'\] .*got 'cuda-magic'"),
 }
 
 
@@ -114,8 +114,15 @@ def test_environment_variable_selects_backend(monkeypatch):
 
 def test_reasons_are_listed_per_backend():
     reasons = deformconv.not_supported_reasons(torch.device("cpu"), torch.float64)
-    assert reasons["reference"] == []
+    assert reasons["reference"] == [] and reasons["cpu"] == []
     assert any("float64" in r for r in reasons["triton"])
+    assert deformconv.not_supported_reasons(torch.device("cuda"), torch.float32)["cpu"] == ["runs on CPU tensors only"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_cpu_tensors_go_to_the_cpu_backend(dtype, monkeypatch):
+    monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
+    assert deformconv.select_backend(torch.device("cpu"), dtype) == "cpu"
 
 
 def test_triton_refuses_bfloat16_under_the_interpreter(monkeypatch):
@@ -131,7 +138,7 @@ def test_triton_refuses_bfloat16_under_the_interpreter(monkeypatch):
     x, offset, weight = torch.randn(1, 4, 5, 5), torch.randn(1, 18, 5, 5), torch.randn(4, 4, 3, 3)
     with pytest.raises(RuntimeError, match=r"backend='triton'.*bfloat16.*interpreter"):
         deformconv.deform_conv2d(x.bfloat16(), offset.bfloat16(), weight.bfloat16(), padding=1, backend="triton")
-    assert deformconv.select_backend(torch.device("cpu"), torch.bfloat16) == "reference"
+    assert deformconv.select_backend(torch.device("cpu"), torch.bfloat16) == "cpu"
 
 
 @pytest.mark.parametrize("capability,dtype,expected", [

@@ -20,7 +20,7 @@ torchvision = pytest.importorskip("torchvision")
 
 def cpu_backends():
     """(backend, dtype) pairs that run on this machine's CPU."""
-    pairs = [("reference", torch.float64), ("reference", torch.float32)]
+    pairs = [("reference", torch.float64), ("reference", torch.float32), ("cpu", torch.float64), ("cpu", torch.float32)]
     if not deformconv.not_supported_reasons(torch.device("cpu"), torch.float32)["triton"]:
         pairs += [("triton", torch.float32), ("triton", torch.float16)]
     return pairs
@@ -173,12 +173,13 @@ def test_non_finite_values_spread_as_in_torchvision(backend, dtype, poison):
         assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("where", ["offset-dy", "offset-dx", "mask"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e30, -1e30],
                          ids=["nan", "inf", "-inf", "huge", "-huge"])
-def test_non_finite_offsets_and_masks_as_in_torchvision(where, value):
-    """One NaN, +-Inf or huge finite value in the offset (either component) or the mask: the reference backend's
-    output and every gradient are non-finite exactly where torchvision's are (a NaN sample point samples NaN; an
+def test_non_finite_offsets_and_masks_as_in_torchvision(where, value, backend):
+    """One NaN, +-Inf or huge finite value in the offset (either component) or the mask: the reference and cpu
+    backends' output and every gradient are non-finite exactly where torchvision's are (a NaN sample point samples NaN; an
     infinite or huge one lies outside the image and samples 0). The Triton kernels do not yet zero an infinite
     sample point's value (they make it NaN): the GPU tests say where."""
     args, kwargs = make_case(**CONFIGS["3x3-pad1"], dtype=torch.float64, seed=8)
@@ -195,7 +196,7 @@ def test_non_finite_offsets_and_masks_as_in_torchvision(where, value):
         out = fn(*leaves)
         return [out, *torch.autograd.grad(out, leaves, grad_out)]
 
-    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend="reference"))
+    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend=backend))
     if where == "offset-dx" and value != value:
         # torchvision's CPU kernel crashes on a NaN dx (an undefined float-to-int conversion); a NaN sample point is
         # the same whichever component is NaN, so ours must give what torchvision gives for a NaN dy at that tap,
@@ -268,15 +269,18 @@ def test_non_contiguous_and_channels_last_inputs(backend, dtype):
     torch.testing.assert_close(out_cl, expected, atol=atol, rtol=rtol)
 
 
-def test_half_inputs_are_computed_in_float32_by_the_reference():
-    """The reference computes float16 in float32 and rounds once: it equals the float64 result rounded."""
-    args, kwargs = make_case(n=2, cin=8, cout=4, h=6, w=6, kh=3, kw=3, padding=1, dtype=torch.float16, seed=2)
-    out = deformconv.deform_conv2d(*args, **kwargs, backend="reference")
-    assert out.dtype == torch.float16
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_half_inputs_are_computed_in_float32_by_the_reference(backend, dtype):
+    """The reference and cpu backends compute 16-bit inputs in float32 and round once: the float64 result rounded."""
+    args, kwargs = make_case(n=2, cin=8, cout=4, h=6, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=2)
+    out = deformconv.deform_conv2d(*args, **kwargs, backend=backend)
+    assert out.dtype == dtype
     args64 = [t.double() for t in args]
     kw64 = dict(kwargs, mask=kwargs["mask"].double())
     exact = deformconv.deform_conv2d(*args64, **kw64, backend="reference")
-    torch.testing.assert_close(out.double(), exact.half().double(), atol=1e-3, rtol=2e-3)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.double(), exact.to(dtype).double(), atol=eps, rtol=2 * eps)
 
 
 @pytest.mark.skipif(not any(p.values == ("triton", torch.float16) for p in BACKENDS),

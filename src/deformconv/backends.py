@@ -63,6 +63,30 @@ class ReferenceBackend(Backend):
         return reference.deform_conv2d_backward(*args)
 
 
+class CpuBackend(Backend):
+    """Plain PyTorch laid out for the CPU (channels-last row gathers, one GEMM): CPU tensors, float dtypes."""
+
+    name = "cpu"
+
+    def not_supported_reasons(self, device, dtype):
+        reasons = []
+        if torch.device(device).type != "cpu":
+            reasons.append("runs on CPU tensors only")
+        if not dtype.is_floating_point:
+            reasons.append(f"dtype {dtype} is not a floating-point type")
+        return reasons
+
+    def forward(self, *args, keep=None):
+        from .ops.deform_conv2d import cpu
+
+        return cpu.deform_conv2d_forward(*args)
+
+    def backward(self, *args, keep=None):
+        from .ops.deform_conv2d import cpu
+
+        return cpu.deform_conv2d_backward(*args)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
@@ -110,17 +134,17 @@ class TritonBackend(Backend):
                 # the interpreter keeps bfloat16 as its uint16 bits, and its tl.dot multiplies those bits
                 # (triton-lang/triton#11584: results ~1e10 off; not supported upstream)
                 reasons.append("Triton's interpreter (TRITON_INTERPRET=1) computes bfloat16 tl.dot on the raw bits; "
-                               "bfloat16 on the CPU runs on the reference backend")
+                               "bfloat16 on the CPU runs on the cpu backend")
         else:
             reasons.append(f"device type {device.type!r} is not supported (CUDA only)")
         if dtype == torch.float64:
-            reasons.append("float64 has no tensor-core path; the reference backend computes float64")
+            reasons.append("float64 has no tensor-core path; the cpu and reference backends compute float64")
         elif dtype not in self.dtypes:
             reasons.append(f"dtype {dtype} is not one of float16, bfloat16, float32")
         return reasons
 
     def automatic(self, device):
-        # Triton's CPU interpreter is for testing: CPU tensors go to the reference unless forced.
+        # Triton's CPU interpreter is for testing: CPU tensors go to the cpu backend unless forced.
         return torch.device(device).type == "cuda"
 
     def forward(self, input, *args, keep=None):
@@ -145,9 +169,9 @@ def _on_device_of(t: torch.Tensor):
     return contextlib.nullcontext()
 
 
-BACKENDS: Dict[str, Backend] = {b.name: b for b in (TritonBackend(), ReferenceBackend())}
+BACKENDS: Dict[str, Backend] = {b.name: b for b in (TritonBackend(), CpuBackend(), ReferenceBackend())}
 # Automatic choice tries these in order.
-PRIORITY: Sequence[str] = ("triton", "reference")
+PRIORITY: Sequence[str] = ("triton", "cpu", "reference")
 
 
 def get_backend(name: str) -> Backend:

@@ -32,6 +32,9 @@ GPU_SHAPES: Dict[str, Shape] = {
 CPU_SHAPES: Dict[str, Shape] = {
     "small": (2, 32, 32, 24, 24, 3, 1),
     "small-g4": (2, 32, 32, 24, 24, 3, 4),
+    "cpu-32": (2, 64, 64, 32, 32, 3, 1),
+    "cpu-56": (1, 128, 128, 56, 56, 3, 1),
+    "resnet-c4-b2": (2, 256, 256, 50, 76, 3, 1),  # a ResNet-50-DCNv2 c4 layer at detection resolution, batch 2
 }
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
