@@ -54,7 +54,7 @@ def test_info_prints_versions_and_backend_table(capsys, monkeypatch):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "torch" in text and "deformconv" in text
-    assert "cpu      float64    reference" in text
+    assert "cpu      float64    cpu        " in text and "reference: can run too (backend='reference')" in text
     assert "DEFORMCONV_FAST_LAUNCH=0: `0`: every kernel launch goes through Triton's JIT call path" in text
 
 

@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
                 chosen = select_backend(d, dt)
             except RuntimeError:
                 chosen = "none"
-            why = "; ".join(f"{b}: {', '.join(r) if r else 'runs only when forced (backend=' + repr(b) + ')'}"
+            why = "; ".join(f"{b}: {', '.join(r) if r else 'can run too (backend=' + repr(b) + ')'}"
                             for b, r in reasons.items() if b != chosen)
             print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {chosen:<10} {why}")
     return 0
