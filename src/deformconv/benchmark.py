@@ -217,12 +217,23 @@ def _chosen_configs() -> dict:
     return chosen_configs()
 
 
+def _cpu_name() -> str:
+    """The CPU's model name and the threads torch uses."""
+    name = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name}, {torch.get_num_threads()} threads"
+
+
 def environment(device) -> dict:
     import deformconv
 
     device = torch.device(device)
     env = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "cpu"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else _cpu_name(),
         "deformconv": deformconv.__version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
