@@ -207,7 +207,9 @@ def deform_conv2d_backward(
         grad_col = None
         if need_in or need_off or need_mask:
             grad_col = _scratch("grad_col", (n, L, K, geo.in_channels), ctype, dev)
-            for gi in range(geo.groups):
+            if geo.groups == 1:
+                torch.mm(go, wm[0].t(), out=grad_col.view(n * L, K * cin_g))
+            for gi in range(geo.groups if geo.groups > 1 else 0):
                 part = go[:, gi * cout_g:(gi + 1) * cout_g] @ wm[gi].t()  # [n·L, K·Cin_g]
                 grad_col[..., gi * cin_g:(gi + 1) * cin_g] = part.view(n, L, K, cin_g)
             grad_col = grad_col.view(samples.shape)
@@ -216,7 +218,7 @@ def deform_conv2d_backward(
         if need_w:
             col = samples.modulate_(val).view(n, L, K, geo.in_channels)
             for gi in range(geo.groups):
-                grad_wm[gi] += _group_columns(col, geo, gi).t() @ go[:, gi * cout_g:(gi + 1) * cout_g]
+                grad_wm[gi].addmm_(_group_columns(col, geo, gi).t(), go[:, gi * cout_g:(gi + 1) * cout_g])
         del val
         if grad_col is None:
             continue
