@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
-from .reference import COLUMN_BUDGET, compute_dtype
+from .reference import chunk_images, compute_dtype
 
 
 # Scratch buffers (the samples, a corner, grad_col) are kept per thread between calls up to this many elements
@@ -50,12 +50,6 @@ def _scratch(slot: str, shape: Tuple[int, ...], dtype: torch.dtype, device: torc
     if buf is None or buf.numel() < numel:
         buf = buffers[(slot, dtype)] = torch.empty(numel, dtype=dtype, device=device)
     return buf[:numel].view(shape)
-
-
-def _chunk_images(geo: ConvGeometry) -> int:
-    """Images per chunk: one chunk's column matrix holds at most COLUMN_BUDGET elements (or one image)."""
-    per_image = geo.in_channels * geo.taps * geo.out_h * geo.out_w
-    return max(1, COLUMN_BUDGET // max(per_image, 1))
 
 
 def _rows(input: Tensor, geo: ConvGeometry, ctype: torch.dtype) -> Tensor:
@@ -156,7 +150,7 @@ def deform_conv2d_forward(
     wm = _weight_matrix(weight, geo.groups, ctype)
     out = torch.empty((N, geo.out_h, geo.out_w, geo.out_channels), dtype=ctype, device=input.device)
     flat = out.view(N * L, geo.out_channels)
-    step = _chunk_images(geo)
+    step = chunk_images(geo)
     for s in range(0, N, step):
         e = min(N, s + step)
         samples = _Samples(offset[s:e], None if mask is None else mask[s:e], geo, ctype)
@@ -194,7 +188,7 @@ def deform_conv2d_backward(
     grad_off = torch.empty((N, G, K, 2, L), dtype=ctype, device=dev) if need_off else None
     grad_mask = torch.empty((N, G, K, L), dtype=ctype, device=dev) if need_mask else None
 
-    step = _chunk_images(geo)
+    step = chunk_images(geo)
     for s in range(0, N, step) if (need_in or need_off or need_mask or need_w) else ():
         e = min(N, s + step)
         n = e - s

@@ -35,7 +35,8 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _chunk_size(geo: ConvGeometry) -> int:
+def chunk_images(geo: ConvGeometry) -> int:
+    """Images per chunk: one chunk's column tensor holds at most COLUMN_BUDGET elements (or one image)."""
     per_sample = geo.in_channels * geo.taps * geo.out_h * geo.out_w
     return max(1, COLUMN_BUDGET // max(per_sample, 1))
 
@@ -122,7 +123,7 @@ def deform_conv2d_forward(
     g, cout_g = geo.groups, geo.out_channels // geo.groups
     w = weight.to(ctype).reshape(g, cout_g, -1)  # [g, Cout_g, Cin_g*K]
     out = torch.empty((N, geo.out_channels, geo.out_h, geo.out_w), dtype=ctype, device=input.device)
-    step = _chunk_size(geo)
+    step = chunk_images(geo)
     for s in range(0, N, step):
         e = min(N, s + step)
         m = None if mask is None else mask[s:e]
@@ -159,7 +160,7 @@ def deform_conv2d_backward(
     grad_w = torch.zeros_like(w) if need_w else None
 
     if need_in or need_off or need_mask or need_w:
-        step = _chunk_size(geo)
+        step = chunk_images(geo)
         for s in range(0, N, step):
             e = min(N, s + step)
             n = e - s
