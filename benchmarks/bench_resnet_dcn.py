@@ -8,7 +8,8 @@ Per case (batch @ resolution, autocast dtype): a training step (forward, cross-e
 resolution, backward, SGD step) and an inference forward, each the median wall time of 30 steps after 10 warm-up
 steps (synchronised each step: what a training loop sees, host included), and the peak memory of a step. --layers
 adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN layer shape of the network, against
-cuDNN's plain convolution and torchvision's eager call.
+cuDNN's plain convolution and torchvision's eager call. Compiled modes take the op as DEFORMCONV_COMPILE_KERNELS says
+(`1`: decomposed into its kernels; each record says which).
 """
 
 from __future__ import annotations
@@ -85,7 +86,11 @@ def run_case(kind, base, case, dtype, mode, log):
     x = torch.randn(n, 3, h, w, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (n,), device="cuda", generator=g)
     fwd = net if mode == "eager" else torch.compile(net, mode=None if mode == "default" else mode)
+    from deformconv import config
+
     rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
+    if mode != "eager":
+        rec["compile_kernels"] = config.compile_kernels()  # DEFORMCONV_COMPILE_KERNELS
 
     def loss_of(out):
         return F.cross_entropy(out.float(), y) if h == w else out.float().square().mean()

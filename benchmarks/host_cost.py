@@ -4,8 +4,9 @@
 
 A tiny layer (default 2x16->16 at 8x8, 3x3, a mask) keeps the GPU far from busy, so the wall time of a loop of calls
 is the host's time per call. Rows: F.conv2d (the floor), torchvision.ops.deform_conv2d and deformconv, in plain
-eager (fp16, fp32) and under autocast (bf16, fp16; fp32 inputs), each the median of 7 loops; ratios against
-torchvision's. --profile writes cProfile's statistics of deformconv's fp16 forward+backward loop.
+eager (fp16, fp32), under autocast (bf16, fp16; fp32 inputs) and compiled (torch.compile, fullgraph, fp16; the op
+opaque, and decomposed into its kernels with DEFORMCONV_COMPILE_KERNELS=1), each the median of 7 loops; ratios
+against torchvision's. --profile writes cProfile's statistics of deformconv's fp16 forward+backward loop.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import contextlib
 import cProfile
 import io
 import json
+import os
 import pstats
 import statistics
 import sys
@@ -68,13 +70,18 @@ def main(argv=None):
         "torchvision": lambda x, o, w, b, m: torchvision.ops.deform_conv2d(x, o, w, b, padding=1, mask=m),
         "deformconv": lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m),
     }
-    cases = [("fp16", torch.float16, None), ("fp32", torch.float32, None), ("autocast bf16", torch.float32, torch.bfloat16),
-             ("autocast fp16", torch.float32, torch.float16)]
+    # (label, dtype, autocast dtype, compiled: DEFORMCONV_COMPILE_KERNELS under torch.compile, or False for eager)
+    cases = [("fp16", torch.float16, None, False), ("fp32", torch.float32, None, False),
+             ("autocast bf16", torch.float32, torch.bfloat16, False), ("autocast fp16", torch.float32, torch.float16, False),
+             ("compiled fp16", torch.float16, None, "0"), ("compiled fp16, kernels visible", torch.float16, None, "1")]
     rows = []
-    for label, dtype, autocast in cases:
-        for name, fn in impls.items():
+    for label, dtype, autocast, compiled in cases:
+        for name, impl in impls.items():
             row = dict(case=label, impl=name)
             for grad in (False, True):
+                if compiled:
+                    os.environ["DEFORMCONV_COMPILE_KERNELS"] = compiled
+                fn = torch.compile(impl, fullgraph=True) if compiled else impl
                 leaves = _inputs(shape, dtype, device, grad)
                 ctx = (lambda: torch.autocast("cuda", dtype=autocast)) if autocast else contextlib.nullcontext
 
@@ -97,7 +104,7 @@ def main(argv=None):
           "| deformconv fwd+bwd | ours / tv |")
     print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-    for label, _, _ in cases:
+    for label, *_ in cases:
         r = {row["impl"]: row for row in rows if row["case"] == label}
         cells = []
         for p in ("fwd_us", "fwd+bwd_us"):

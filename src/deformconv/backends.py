@@ -163,8 +163,10 @@ class TritonBackend(Backend):
 
 def _on_device_of(t: torch.Tensor):
     """Triton launches on the *current* CUDA device: make it the tensor's (as a C++ op's device guard does),
-    else a call on cuda:1 while cuda:0 is current would launch with foreign pointers."""
-    if t.device.type == "cuda" and t.device.index is not None and t.device.index != torch.cuda.current_device():
+    else a call on cuda:1 while cuda:0 is current would launch with foreign pointers. (Traced launches: the compiled
+    code guards its device itself.)"""
+    if (t.device.type == "cuda" and not config.tracing() and t.device.index is not None
+            and t.device.index != torch.cuda.current_device()):
         return torch.cuda.device(t.device)
     return contextlib.nullcontext()
 

@@ -61,3 +61,24 @@ _INSTALLED = TRITON_3_6 if triton_version() <= (3, 6) else TRITON_3_8
 def codegen_profile() -> CodegenProfile:
     """The profile in use: options.profile if set, else the installed Triton's."""
     return options.profile or _INSTALLED
+
+
+# --- torch's tracing of custom ops (the compile route, library.py) -------------------------------------------
+
+
+def custom_op_decomposition_disabled() -> bool:
+    """Whether torch wants custom ops kept whole rather than decomposed into their kernels: torch.export does (its
+    programs name ops, not a GPU's kernels), with the same switch torch.library.triton_op reads."""
+    import torch
+
+    return not getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
+
+
+def register_op_kernels(qualname: str, kernels: list) -> None:
+    """Tell torch which Triton kernels an op's decomposition launches, as torch.library.triton_op does: AOTAutograd's
+    cache keys then include their source, so an edited kernel is never served from a stale compiled graph."""
+    import torch._library.triton as library_triton
+
+    table = getattr(library_triton, "triton_ops_to_kernels", None)
+    if isinstance(table, dict):
+        table[qualname] = list(kernels)

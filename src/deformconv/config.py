@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Optional
 
@@ -35,6 +36,9 @@ ENVIRONMENT: Dict[str, EnvVar] = {v.name: v for v in (
                                               "(`inf`: the whole batch at once). Unset: 1.5, raised where a chunk "
                                               "would not fill the GPU."),
     EnvVar("DEFORMCONV_BACKWARD_STREAMS", "1", "`0`: grad_weight never runs on a side stream beside grad_input."),
+    EnvVar("DEFORMCONV_COMPILE_KERNELS", "0", "`1`: torch.compile sees the Triton kernels (the op decomposes into "
+                                              "them, launched from Inductor's code); `0`: the op stays opaque and "
+                                              "runs its launchers at every call. Off until its GPU tests have run."),
 )}
 
 
@@ -73,6 +77,10 @@ def fast_launch() -> bool:
     return _flag("DEFORMCONV_FAST_LAUNCH")
 
 
+def compile_kernels() -> bool:
+    return _flag("DEFORMCONV_COMPILE_KERNELS")
+
+
 def backward_streams() -> bool:
     return _raw("DEFORMCONV_BACKWARD_STREAMS") != "0"
 
@@ -95,6 +103,28 @@ def workspace_budget() -> Optional[float]:
 def triton_interpret() -> bool:
     """Triton's own TRITON_INTERPRET: kernels run in its CPU interpreter."""
     return _raw("TRITON_INTERPRET") not in ("", "0")
+
+
+_trace_state = threading.local()
+
+
+def tracing() -> bool:
+    """Whether the Triton backend's launchers are being traced into a graph (the compile route, library.py)
+    rather than run. Then every launch is recorded through ``torch.library.wrap_triton``, nothing is cached, data
+    pointers are unknown (taken as 16-byte aligned: Inductor aligns what it allocates), and the choices that need
+    a real call (autotuning, TMA descriptors, the backward's side stream) take their plain alternative."""
+    return getattr(_trace_state, "on", False)
+
+
+@contextlib.contextmanager
+def traced() -> Iterator[None]:
+    """The block's launches are traced (see :func:`tracing`)."""
+    previous = tracing()
+    _trace_state.on = True
+    try:
+        yield
+    finally:
+        _trace_state.on = previous
 
 
 @dataclass
@@ -127,7 +157,10 @@ class Options:
     caches: Dict[str, dict] = field(default_factory=dict, repr=False)
 
     def cache(self, name: str) -> dict:
-        """The named cache (created empty on first use); emptied by clear()."""
+        """The named cache (created empty on first use); emptied by clear(). While tracing (see
+        :func:`tracing`), a fresh dict each time: nothing worked out for traced tensors is kept."""
+        if tracing():
+            return {}
         return self.caches.setdefault(name, {})
 
     def clear(self) -> None:

@@ -14,6 +14,8 @@ from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from . import config
 from .backends import get_backend, select_backend
@@ -179,6 +181,72 @@ def _backward(ctx, grad_out):
 
 
 deform_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# --- compile route -------------------------------------------------------------------------------------
+# Under torch.compile, AOTAutograd's functionalisation decomposes both ops, where they run on the Triton backend on
+# CUDA, into their kernels: the launchers run once, at compile time, with every launch recorded through
+# torch.library.wrap_triton (config.tracing), so Inductor launches the kernels from its generated code and no Python
+# of ours runs per call; CUDA graphs (mode="reduce-overhead") capture them like any kernel. This is what
+# torch.library.triton_op does, with two differences: the ops keep their own fake implementations, and calls on
+# other backends (reference, cpu, the interpreter) stay opaque ops. torch.export keeps the ops whole.
+
+
+def _decomposes(args: tuple, input_index: int, backend: str) -> bool:
+    """With DEFORMCONV_COMPILE_KERNELS=1, on the Triton backend on CUDA (wrap_triton does not trace the interpreter's
+    kernels), and with static shapes: the launchers plan with Python integers (a symbolic
+    size, from dynamic=True or a recompile for a new shape, keeps the op opaque: its plans are then made per call,
+    cached per shape, as in eager)."""
+    if not config.compile_kernels():
+        return False
+    input = args[input_index]
+    if not (input.is_cuda and not config.triton_interpret() and _backend_for(input, backend).name == "triton"):
+        return False
+    for a in args:
+        sizes = (*a.shape, *a.stride()) if isinstance(a, Tensor) else a if isinstance(a, (list, tuple)) else (a,)
+        if any(isinstance(v, torch.SymInt) for v in sizes):
+            return False
+    return input.shape[0] > 0
+
+
+def _traced_forward(input, offset, weight, bias, mask, stride, padding, dilation, backend):
+    check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=True)
+    return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
+
+
+def _traced_backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend):
+    grads = backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)
+
+
+def _decomposition(traced_impl, input_index: int, backend_index: int):
+    def rule(mode, op, types, args, kwargs):
+        if any(t not in (Tensor, FunctionalTensor) and not issubclass(t, FakeTensor) for t in types):
+            return NotImplemented  # another tensor subclass: its own dispatch decides
+        from .compat import custom_op_decomposition_disabled
+
+        if custom_op_decomposition_disabled() or not _decomposes(args, input_index, args[backend_index]):
+            return mode.__torch_dispatch__(op, types, args, kwargs)
+        with mode, config.traced():
+            return traced_impl(*args, **kwargs)
+
+    return rule
+
+
+def _register_decompositions() -> None:
+    deform_conv2d_op.register_torch_dispatch(FunctionalTensorMode, _decomposition(_traced_forward, 0, 8))
+    deform_conv2d_backward_op.register_torch_dispatch(FunctionalTensorMode, _decomposition(_traced_backward, 1, 9))
+    try:  # the kernels the decompositions launch, for torch's compile caches (compat.register_op_kernels)
+        from .compat import register_op_kernels
+        from .ops.deform_conv2d import launched_kernels
+    except ImportError:  # no Triton: nothing decomposes
+        return
+    kernels = launched_kernels()
+    register_op_kernels("deformconv::deform_conv2d", kernels)
+    register_op_kernels("deformconv::deform_conv2d_backward", kernels)
+
+
+_register_decompositions()
 
 
 # --- autocast ------------------------------------------------------------------------------------------

@@ -34,6 +34,12 @@ def unique_configs(cands: list) -> list:
     return list(dict.fromkeys(cands))
 
 
+def aligned16(t: Tensor) -> bool:
+    """Whether t's data starts on a 16-byte boundary (Triton specialises each pointer argument on it). A traced
+    tensor has no address yet: taken as aligned, as Inductor allocates (config.tracing)."""
+    return config.tracing() or t.data_ptr() % 16 == 0
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -74,6 +80,9 @@ class Launch:
         self.fast = config.fast_launch()
 
     def __call__(self, *tensors: Tensor) -> None:
+        if config.tracing():  # recorded into the graph; the compiled code launches it (config.tracing)
+            torch.library.wrap_triton(self.fn)[self.grid](*tensors, *self.args, **self.traced_meta())
+            return
         if self.runner is not None:
             try:
                 self.runner(*tensors, *self.args, *self.tail)
@@ -86,6 +95,12 @@ class Launch:
             names = self.fn.arg_names[len(tensors) + len(self.args):]
             self.tail = tuple(self.meta[n] for n in names)
             self.runner = compiled[self.grid]
+
+
+    def traced_meta(self) -> dict:
+        """The meta arguments as a traced launch passes them: without a register cap (maxnreg), which Inductor's
+        launch of a user kernel has no place for (the kernel is compiled without it: more registers, same result)."""
+        return {k: v for k, v in self.meta.items() if k != "maxnreg"}
 
 
 def tma_supported(device: torch.device) -> bool:
@@ -104,9 +119,10 @@ def tma_possible(dtype: torch.dtype, even_k: bool, row_bytes: int, device: torch
     dtype is fp16, bf16 or fp32 (not float64), channel chunks are whole (EVEN_K: a weight tile past a segment's end
     would read the next segment's weights, and a non-finite weight there would leak into this one's result), rows a
     multiple of 16 bytes, and the device has TMA (tma_supported). tma_launch adds the checks of the tensors' memory;
-    the candidates use it to know in advance where TMA will be taken."""
+    the candidates use it to know in advance where TMA will be taken. Never while tracing (config.tracing): a
+    descriptor is built from a real tensor."""
     return (dtype in (torch.float16, torch.bfloat16, torch.float32) and even_k and row_bytes % 16 == 0
-            and tma_supported(device))
+            and not config.tracing() and tma_supported(device))
 
 
 def tma_launch(cfg, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[Tensor, int]]) -> bool:
@@ -114,7 +130,7 @@ def tma_launch(cfg, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[T
     elements a row: channels) passes tma_possible, and TMA can address its memory: non-empty, a 16-byte-aligned
     base, fewer than 2**31 rows (int32 tile coordinates)."""
     return cfg.tma and all(tma_possible(dtype, even_k, row * t.element_size(), t.device) and t.numel() > 0
-                           and t.data_ptr() % 16 == 0 and t.numel() // row < 2**31 for t, row in operands)
+                           and aligned16(t) and t.numel() // row < 2**31 for t, row in operands)
 
 
 def pick_config(key: tuple, candidates: list, launch, device: torch.device):
@@ -124,7 +140,7 @@ def pick_config(key: tuple, candidates: list, launch, device: torch.device):
     ``launch`` must be safe to repeat (the caller re-initialises any accumulator after the choice). A
     candidate must beat the default by 5% to replace it. chosen_configs() records each class's first choice."""
     tuned_configs = options.cache("tuned")
-    if (not config.autotune() or len(candidates) == 1 or device.type != "cuda"
+    if (not config.autotune() or len(candidates) == 1 or device.type != "cuda" or config.tracing()
             or torch.cuda.is_current_stream_capturing()):
         tuned_configs.setdefault(key, candidates[0])
         return candidates[0]

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from .launch import Launch, ceil_div, pow2_clamp, remember
+from .launch import Launch, aligned16, ceil_div, pow2_clamp, remember
 
 # --- kernels -------------------------------------------------------------------------------------------
 
@@ -129,8 +129,8 @@ def transpose_tiles(a: int, b: int) -> Tuple[int, int, int, int]:
 def _transpose_key(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> tuple:
     """What a transpose pass's launch is specialised on (beside the device): dtypes, images, sizes, 16-byte
     alignments, and which extras (zero, sums) it has."""
-    extras = tuple((t.dtype, t.data_ptr() % 16 == 0) if t is not None else None for t in (zero, sums))
-    return (src.dtype, out.dtype, src.shape[0], a, b, src.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0, extras)
+    extras = tuple((t.dtype, aligned16(t)) if t is not None else None for t in (zero, sums))
+    return (src.dtype, out.dtype, src.shape[0], a, b, aligned16(src), aligned16(out), extras)
 
 
 def _transpose_tensors(src: Tensor, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> List[Tensor]:
@@ -211,7 +211,7 @@ def channel_sum(t: Tensor) -> Tensor:
     if part.numel():
         # image, position l = h*W + w (a size-1 dim's stride is arbitrary: W = 1 steps along H), channel
         strides = (t.stride(0), t.stride(3) if w > 1 else t.stride(2), t.stride(1))
-        key = (t.device, t.dtype, n, h * w, c, strides, t.data_ptr() % 16 == 0)
+        key = (t.device, t.dtype, n, h * w, c, strides, aligned16(t))
         cache = options.cache("channel_sums")
         run = cache.get(key)
         if run is None:

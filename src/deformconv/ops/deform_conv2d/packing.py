@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from ..common.launch import Launch, pow2_clamp, remember
+from ..common.launch import Launch, aligned16, pow2_clamp, remember
 from ..common.layout import (offset_grouped_empty, tile_of, to_nhwc, to_offset_grouped, transpose_tile, transpose_tiles,
                              uses_layout_kernel)
 
@@ -102,7 +102,7 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
         return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
     out = packed_empty(weight, groups, k_major, dtype)
     key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
-           weight.data_ptr() % 16 == 0, out.data_ptr() % 16 == 0)
+           aligned16(weight), aligned16(out))
     cache = options.cache("packs")
     run = cache.get(key)
     if run is None:
@@ -152,7 +152,7 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
         a, images = c, n
     wp = packed_empty(weight, groups, k_major, input.dtype)
     key = (input.device, input.dtype, weight.dtype, input.shape, weight.shape, weight.stride(), groups, offset_groups,
-           grouped, k_major, *(t.data_ptr() % 16 == 0 for t in (input, x, weight, wp)))
+           grouped, k_major, *(aligned16(t) for t in (input, x, weight, wp)))
     cache = options.cache("pack_and_transpose")
     run = cache.get(key)
     if run is None:

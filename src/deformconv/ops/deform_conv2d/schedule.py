@@ -136,8 +136,8 @@ def direct_grad_weight(whole: bool, split: int) -> bool:
 
 
 def side_streams_usable(device: torch.device) -> bool:
-    """CUDA, and DEFORMCONV_BACKWARD_STREAMS is not "0"."""
-    return device.type == "cuda" and config.backward_streams()
+    """CUDA, DEFORMCONV_BACKWARD_STREAMS is not "0", and not tracing (a compiled graph runs on one stream)."""
+    return device.type == "cuda" and config.backward_streams() and not config.tracing()
 
 
 def side_stream(device: torch.device) -> Tuple["torch.cuda.Stream", "torch.cuda.Event", "torch.cuda.Event"]:

@@ -1,0 +1,136 @@
+"""The compile route on a CUDA GPU (skipped without one): torch.compile decomposes the op into its Triton kernels,
+which Inductor launches from its own code (library.py); results and gradients equal the float64 reference within the
+dtype's tolerance, as eager's do; CUDA graphs (mode="reduce-overhead") capture a training step; symbolic shapes
+keep the op opaque and still work; torch.export keeps the op whole."""
+
+import pytest
+import torch
+from torch._inductor.utils import run_and_get_code
+
+import deformconv
+from conftest import HAS_CUDA, assert_close, make_case
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+# (n, cin, cout, h, w, k, groups, offset_groups, stride, padding, dilation, mask): odd sizes, stride 2, groups, 5x5,
+# no mask, packed segments
+SHAPES = {
+    "odd-s2": (3, 24, 40, 17, 23, 3, 1, 1, 2, 1, 1, "random"),
+    "groups-og4": (2, 32, 48, 13, 11, 3, 2, 4, 1, 1, 1, "random"),
+    "5x5-no-mask": (2, 16, 24, 15, 19, 5, 1, 1, 1, 2, 1, None),
+    "og8-packed": (2, 64, 64, 14, 15, 3, 1, 8, 1, 1, 1, "random"),
+}
+KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_compiles(monkeypatch):
+    monkeypatch.setenv("DEFORMCONV_COMPILE_KERNELS", "1")
+    torch._dynamo.reset()
+    old = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = old
+    torch._dynamo.reset()
+
+
+def _leaves(name, dtype):
+    n, cin, cout, h, w, k, g, og, s, p, d, mask = SHAPES[name]
+    args, kw = make_case(n, cin, cout, h, w, k, k, groups=g, offset_groups=og, stride=s, padding=p, dilation=d,
+                         mask=mask, dtype=torch.float64, seed=hash(name) % 1000)
+    leaves = [t.cuda() for t in (*args, kw["mask"]) if t is not None]
+    return leaves, dict(stride=kw["stride"], padding=kw["padding"], dilation=kw["dilation"]), kw["mask"] is not None
+
+
+def _fwd_bwd(fn, leaves, gout=None):
+    leaves = [t.detach().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    if gout is None:
+        gout = torch.randn(out.shape, device="cuda", dtype=torch.float64, generator=torch.Generator("cuda").manual_seed(5))
+    grads = torch.autograd.grad(out, leaves, gout.to(out.dtype))
+    return out, grads, gout
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=lambda d: str(d)[6:])
+def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtype):
+    leaves64, params, has_mask = _leaves(name, dtype)
+
+    def layer(x, offset, weight, bias, *mask):
+        return deformconv.deform_conv2d(x, offset, weight, bias, mask=mask[0] if mask else None, **params)
+
+    compiled = torch.compile(layer, fullgraph=True)
+    ref_out, ref_grads, gout = _fwd_bwd(layer, leaves64)  # the float64 reference (CUDA float64: reference backend)
+    (out, grads, _), codes = run_and_get_code(lambda: _fwd_bwd(compiled, [t.to(dtype) for t in leaves64], gout))
+    code = "\n".join(codes)
+    for kernel in KERNELS:
+        assert kernel in code, f"{kernel} is not launched by Inductor's code"
+    assert "torch.ops.deformconv" not in code, "the op stayed opaque"
+    assert out.dtype == dtype
+    assert_close(out, ref_out, dtype, "output")
+    for what, g, ref in zip(("input", "offset", "weight", "bias", "mask"), grads, ref_grads):
+        assert_close(g, ref, dtype, f"grad_{what}")
+
+
+def _train(model, x, steps, compile_step=None):
+    """Losses and final parameters of `steps` SGD steps; the forward and backward compiled by compile_step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def fwd_bwd():
+        loss = model(x).square().mean()
+        loss.backward()
+        return loss.detach()
+
+    run = compile_step(fwd_bwd) if compile_step else fwd_bwd
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        losses.append(run().clone())
+        opt.step()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _net():
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.ReLU(),
+                              deformconv.ModulatedDeformConv2dPack(16, 24, 3, padding=1, stride=2),
+                              torch.nn.ReLU(), deformconv.DeformConv2dPack(24, 16, 3, padding=1)).cuda()
+    for m in net.modules():  # non-zero offsets and masks: the sampling paths, not the regular grid
+        if hasattr(m, "conv_offset"):
+            torch.nn.init.normal_(m.conv_offset.weight, std=0.1)
+    return net
+
+
+def test_reduce_overhead_captures_a_training_step():
+    """mode="reduce-overhead": forward and backward replay as CUDA graphs (none skipped), with the eager steps'
+    losses and parameters (fp32)."""
+    from torch._dynamo.utils import counters
+
+    x = torch.randn(3, 8, 21, 19, device="cuda")
+    losses, params = _train(_net(), x, 4)
+    counters.clear()
+    c_losses, c_params = _train(_net(), x, 4, lambda f: torch.compile(f, mode="reduce-overhead", fullgraph=True))
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    for a, b in zip(c_losses, losses):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for a, b in zip(c_params, params):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_shapes_keep_the_op_opaque_and_work():
+    """dynamic=True (symbolic sizes): the op stays opaque and plans per call; two sizes, one compile."""
+    net = _net()
+    compiled = torch.compile(net, dynamic=True, fullgraph=True)
+    for h, w in ((21, 19), (17, 30)):
+        x = torch.randn(2, 8, h, w, device="cuda")
+        torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5)
+
+
+def test_export_keeps_the_op_whole():
+    net = _net().eval()
+    x = torch.randn(2, 8, 13, 12, device="cuda")
+    ep = torch.export.export(net, (x,))
+    targets = [str(nd.target) for nd in ep.graph.nodes]
+    assert sum("deformconv.deform_conv2d" in t for t in targets) == 2
+    assert not any("triton_kernel_wrapper" in t for t in targets)
+    torch.testing.assert_close(ep.module()(x), net(x), atol=1e-5, rtol=1e-5)

@@ -1,0 +1,159 @@
+"""The compile route's tracing, on this machine's CPU with a pretend GPU (fake CUDA tensors, torch.cuda's queries
+answered as an H200's): both ops decompose into wrapped Triton kernel launches whose outputs have the shapes, strides
+and dtypes the ops' fake implementations promise; only under DEFORMCONV_COMPILE_KERNELS=1; symbolic sizes and
+torch.export keep the ops opaque. The kernels' results under torch.compile are tested on a GPU
+(tests/ops/deform_conv2d/test_compile_cuda.py).
+
+wrap_triton traces compiled kernels only, not the interpreter's, so the tracing runs in a child process without
+TRITON_INTERPRET (this file run as a script), which prints what each trace launched."""
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+# (n, cin, cout, h, w, k, groups, offset_groups, stride, padding, mask)
+SHAPES = {
+    "odd-s2": (3, 24, 40, 17, 23, 3, 1, 1, 2, 1, True),
+    "groups-og4": (2, 32, 48, 13, 11, 3, 2, 4, 1, 1, True),
+    "5x5-no-mask": (2, 16, 24, 15, 19, 5, 1, 1, 1, 2, False),
+    "og8-packed": (2, 64, 64, 14, 15, 3, 1, 8, 1, 1, True),
+}
+DTYPES = ("float32", "float16", "bfloat16")
+MAIN_KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
+
+
+# --- the child: traces on a pretend GPU ----------------------------------------------------------------
+
+
+def _pretend_gpu():
+    """torch.cuda and Triton's driver answer as an H200's would (Triton's target: compiling a kernel to TTIR, as
+    torch's analysis of what it stores does, needs no GPU)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    triton.runtime.driver.set_active(types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32)))
+    torch.cuda.is_available = lambda: True
+    torch.cuda.get_device_capability = lambda *a: (9, 0)
+    torch.cuda.get_device_properties = lambda *a: types.SimpleNamespace(multi_processor_count=132, name="H200")
+    torch.cuda.get_device_name = lambda *a: "pretend H200"
+
+
+def _fake_inputs(name, dtype, symbolic=False):
+    """Fake CUDA tensors of a case; symbolic: the batch size a symbol (as torch.compile's dynamic shapes make it)."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    n, cin, cout, h, w, k, g, og, s, p, has_mask = SHAPES[name]
+    ho, wo = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
+    env = ShapeEnv() if symbolic else None
+    if symbolic:
+        n = env.create_symintnode(env.create_symbol(n, ConstantSource("batch")), hint=n)
+    sizes = [(n, cin, h, w), (n, 2 * og * k * k, ho, wo), (cout, cin // g, k, k), (cout,),
+             (n, og * k * k, ho, wo) if has_mask else None, (n, cout, ho, wo)]
+    with FakeTensorMode(shape_env=env):
+        tensors = [None if sz is None else torch.empty(sz, device="cuda", dtype=dtype) for sz in sizes]
+    return tensors, [s, s], [p, p]
+
+
+def _both_ops(needs, stride, padding, has_mask):
+    def run(*ts):
+        x, off, w, b = ts[:4]
+        m, gout = (ts[4], ts[5]) if has_mask else (None, ts[4])
+        out = torch.ops.deformconv.deform_conv2d(x, off, w, b, m, stride, padding, [1, 1], "")
+        grads = torch.ops.deformconv.deform_conv2d_backward(gout, x, off, w, m, stride, padding, [1, 1], needs, "")
+        return (out, *grads)
+
+    return run
+
+
+def _trace(name, dtype, needs=None, tracing_mode="fake", keep_whole=False):
+    from torch._higher_order_ops.triton_kernel_wrap import kernel_side_table
+    from torch._subclasses.functional_tensor import dispatch_functionalize
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    tensors, stride, padding = _fake_inputs(name, getattr(torch, dtype), symbolic=tracing_mode == "symbolic")
+    has_mask = tensors[4] is not None
+    needs = needs or [True, True, has_mask, True, True]
+    present = [t for t in tensors if t is not None]
+    run = _both_ops(needs, stride, padding, has_mask)
+    with torch._functorch.config.patch(decompose_custom_triton_ops=not keep_whole):
+        gm = make_fx(dispatch_functionalize(run), tracing_mode=tracing_mode)(*present)
+    launched, stores = [], []
+    for nd in gm.graph.nodes:
+        if "triton_kernel_wrapper" in str(nd.target):
+            kernel = kernel_side_table.get_kernel(nd.kwargs["kernel_idx"]).fn.__name__
+            launched.append(kernel)
+            written = list(nd.kwargs["tensors_to_clone"])
+            stores.append(dict(kernel=kernel, written=written))
+    opaque = [str(nd.target) for nd in gm.graph.nodes if "deformconv" in str(nd.target)]
+    traced = [nd.meta["val"] for nd in gm.graph.output_node().args[0]]
+    promised = run(*present)  # fake tensors outside any tracing: the ops' fake implementations
+    layouts = lambda ts: [[str(list(t.shape)), str(list(t.stride())), str(t.dtype), str(t.device)] for t in ts]  # noqa: E731
+    return dict(launched=launched, stores=stores, opaque=opaque, traced=layouts(traced), promised=layouts(promised))
+
+
+def _child() -> dict:
+    _pretend_gpu()
+    import deformconv  # noqa: F401  (registers the ops)
+
+    results = {f"{name}:{dtype}": _trace(name, dtype) for name in SHAPES for dtype in DTYPES}
+    results["input-grad-only"] = _trace("odd-s2", "float16", needs=[True, False, False, False, False])
+    results["symbolic"] = _trace("groups-og4", "float16", tracing_mode="symbolic")
+    results["export"] = _trace("groups-og4", "float16", keep_whole=True)
+    os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
+    results["switched-off"] = _trace("groups-og4", "float16")
+    return results
+
+
+# --- the tests -------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def traces():
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "DEFORMCONV_BACKEND")}
+    env["DEFORMCONV_COMPILE_KERNELS"] = "1"
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_ops_decompose_into_the_kernels_with_the_promised_outputs(traces, name, dtype):
+    t = traces[f"{name}:{dtype}"]
+    assert not t["opaque"], t["opaque"]
+    for kernel in MAIN_KERNELS:
+        assert kernel in t["launched"], t["launched"]
+    assert t["traced"] == t["promised"]  # torch.compile plans the graph with the fake implementations' layouts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_forward_kernel_writes_only_the_output(traces, dtype):
+    """torch's analysis of the kernel (its TTIR) finds its one store: functionalisation copies no input for it. (The
+    grad_input kernel's offset and mask come out as written too, read-only as they are: copies, not errors.)"""
+    for name in SHAPES:
+        for launch in traces[f"{name}:{dtype}"]["stores"]:
+            if launch["kernel"] == "_deform_conv2d_fwd_kernel":
+                assert launch["written"] == ["out_ptr"], launch
+
+
+def test_only_the_gradients_asked_for_are_computed(traces):
+    launched = traces["input-grad-only"]["launched"]
+    assert "_deform_conv2d_bwd_data_kernel" in launched and "_deform_conv2d_bwd_weight_kernel" not in launched
+
+
+@pytest.mark.parametrize("case", ["symbolic", "export", "switched-off"])
+def test_symbolic_sizes_export_and_the_switch_keep_the_ops_opaque(traces, case):
+    t = traces[case]
+    assert len(t["opaque"]) == 2 and not t["launched"], t
+    assert t["traced"] == t["promised"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child()))
