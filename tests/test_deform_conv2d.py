@@ -6,13 +6,14 @@ import random
 import zlib
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 import deformconv
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, CountingKernel, assert_close, assert_near_rounding,
-                      check_finish_grads, kernel_modules, launch_metas, make_case, nan_filled_empty, plans)
+                      check_finish_grads, kernel_modules, launch_metas, make_case, nan_filled_empty, plans, TOL)
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -173,51 +174,78 @@ def test_non_finite_values_spread_as_in_torchvision(backend, dtype, poison):
         assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+@pytest.mark.parametrize("config", ["3x3-pad1", "long-segment"])
 @pytest.mark.parametrize("where", ["offset-dy", "offset-dx", "mask"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), 1e30, -1e30],
                          ids=["nan", "inf", "-inf", "huge", "-huge"])
-def test_non_finite_offsets_and_masks_as_in_torchvision(where, value, backend):
-    """One NaN, +-Inf or huge finite value in the offset (either component) or the mask: the reference and cpu
-    backends' output and every gradient are non-finite exactly where torchvision's are (a NaN sample point samples NaN; an
-    infinite or huge one lies outside the image and samples 0). The Triton kernels do not yet zero an infinite
-    sample point's value (they make it NaN): the GPU tests say where."""
-    args, kwargs = make_case(**CONFIGS["3x3-pad1"], dtype=torch.float64, seed=8)
+def test_non_finite_offsets_and_masks_as_in_torchvision(where, value, config, backend, dtype):
+    """One NaN, +-Inf or huge finite value in the offset (either component) or the mask: the output and every gradient
+    are non-finite exactly where torchvision's are, and equal elsewhere (a NaN sample point samples NaN; an infinite or
+    huge one lies outside the image and samples 0, the gradient of its other offset component NaN). Two layers: 4
+    channels (the Triton kernels' packed segments) and 32 (one long segment)."""
+    _check_non_finite(where, value, config, backend, dtype)
+
+
+@pytest.mark.parametrize("where", ["offset-dy", "mask"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("backend,dtype", [b for b in BACKENDS if b.values[0] in ("reference", "triton")
+                                           and b.values[1] == torch.float32])
+def test_deterministic_mode_with_non_finite_offsets_and_masks(where, value, backend, dtype):
+    """In the deterministic mode a non-finite offset gives torchvision's results as in the default mode: the Triton
+    kernels' fixed-point grad_input takes its scale from grad_out, weight and mask, never from the offsets. A
+    non-finite mask makes that grad_input NaN throughout (the mode's documented behaviour); the reference backend's
+    (an ordered index_add) stays torchvision's."""
+    with _deterministic():
+        _check_non_finite(where, value, "3x3-pad1", backend, dtype, deterministic=True)
+
+
+def _check_non_finite(where, value, config, backend, dtype, deterministic=False):
+    shape = CONFIGS["3x3-pad1"] if config == "3x3-pad1" else dict(CONFIGS["3x3-pad1"], n=1, cin=32)
+    if math.isfinite(value):  # huge, yet finite in the dtype, as are its products (1e30 is inf in float16)
+        value = math.copysign(min(abs(value), torch.finfo(dtype).max ** 0.5), value)
+    args, kwargs = make_case(**shape, dtype=torch.float64, seed=8)
     x, offset, weight, _ = args
     offset, mask = offset.clone(), kwargs["mask"].clone()
     if where == "mask":
         mask[0, 4, 2, 3] = value
     else:
         offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value  # tap 4 (the centre): a dy or a dx
-    grad_out = torch.randn(2, 6, 5, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    grad_out = torch.randn(shape["n"], 6, 5, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
 
-    def run(fn):
-        leaves = [t.detach().clone().requires_grad_(True) for t in (x, offset, weight, mask)]
+    def run(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (x, offset, weight, mask)]
         out = fn(*leaves)
-        return [out, *torch.autograd.grad(out, leaves, grad_out)]
+        return [out, *torch.autograd.grad(out, leaves, grad_out.to(cast))]
 
-    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend=backend))
+    ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend=backend), dtype)
+    names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_mask")
     if where == "offset-dx" and value != value:
         # torchvision's CPU kernel crashes on a NaN dx (an undefined float-to-int conversion); a NaN sample point is
         # the same whichever component is NaN, so ours must give what torchvision gives for a NaN dy at that tap,
         # with the offset gradient's two components swapped
         offset = offset.clone()
         offset[0, 9, 2, 3], offset[0, 8, 2, 3] = offset[0, 8, 2, 3], value
-        theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m))
+        theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m), torch.float64)
         g = theirs[2].clone()
         g[0, 8, 2, 3], g[0, 9, 2, 3] = theirs[2][0, 9, 2, 3], theirs[2][0, 8, 2, 3]
         theirs[2] = g
-        checks = ("output", "grad_offset", "grad_weight", "grad_mask")
-        ours, theirs = [ours[i] for i in (0, 2, 3, 4)], [theirs[i] for i in (0, 2, 3, 4)]
-        for name, a, t in zip(checks, ours, theirs):
-            assert torch.equal(torch.isfinite(a), torch.isfinite(t)), name
-        return
-    theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m))
-    for name, a, t in zip(("output", "grad_input", "grad_offset", "grad_weight", "grad_mask"), ours, theirs):
+        keep = (0, 2, 3, 4)  # grad_input is not compared: the swapped point samples other corners
+        names, ours, theirs = [names[i] for i in keep], [ours[i] for i in keep], [theirs[i] for i in keep]
+    else:
+        theirs = run(lambda x, o, w, m: torchvision.ops.deform_conv2d(x, o, w, padding=1, mask=m), torch.float64)
+    atol, rtol = TOL[dtype]
+    for name, a, t in zip(names, ours, theirs):
+        if deterministic and backend == "triton" and name == "grad_input" and where == "mask":
+            assert torch.isnan(a).all(), "deterministic grad_input with a non-finite mask"
+            continue
         assert torch.equal(torch.isfinite(a), torch.isfinite(t)), (name, int((~torch.isfinite(a)).sum()),
                                                                     int((~torch.isfinite(t)).sum()))
+        if name == "grad_offset" and where == "offset-dx" and value != value:
+            continue  # the swapped point's gradient is another one's; only where it is non-finite is the same
         finite = torch.isfinite(t)
-        torch.testing.assert_close(a[finite], t[finite], atol=1e-10, rtol=1e-10, msg=name)
+        scale = max(t[finite].abs().max().item(), 1e-30)
+        torch.testing.assert_close(a[finite].double(), t[finite], atol=atol * scale, rtol=rtol, msg=name)
 
 
 @pytest.mark.parametrize("backend,dtype", BACKENDS)

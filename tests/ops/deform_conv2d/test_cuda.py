@@ -617,3 +617,38 @@ def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout,
     ref = w.to(dtype).reshape(groups, cout // groups, cin_g, kh * kw)
     ref = (ref.permute(0, 3, 1, 2) if k_major else ref.permute(0, 3, 2, 1)).contiguous()
     assert got.dtype == dtype and got.is_contiguous() and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer", ["packed-og8", "long-segment"])
+@pytest.mark.parametrize("where,value", [("offset-dy", float("nan")), ("offset-dy", float("inf")),
+                                         ("offset-dx", float("-inf")), ("mask", float("nan")), ("mask", float("inf"))],
+                         ids=["dy-nan", "dy-inf", "dx--inf", "mask-nan", "mask-inf"])
+def test_non_finite_offsets_and_masks_as_in_torchvision(dtype, layer, where, value):
+    """The kernels' output and every gradient are non-finite exactly where torchvision's (float64, CUDA) are, and
+    within the dtype's tolerance elsewhere: a NaN sample point samples NaN, an infinite one 0 (the gradient of its
+    other offset component NaN). Packed segments (8 offset groups of 8 channels) and one long segment (64)."""
+    import torchvision
+
+    og = 8 if layer == "packed-og8" else 1
+    args, kwargs = make_case(2, 64, 32, 9, 11, 3, 3, offset_groups=og, padding=1, dtype=torch.float64, seed=12)
+    x, offset, weight, bias = (t.cuda() for t in args)
+    offset, mask = offset.clone(), kwargs["mask"].cuda().clone()
+    if where == "mask":
+        mask[0, 4, 2, 3] = value
+    else:
+        offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value
+    gout = torch.randn(2, 32, 9, 11, device="cuda", dtype=torch.float64, generator=torch.Generator("cuda").manual_seed(3))
+
+    def run(fn, cast):
+        leaves = [t.detach().to(cast).requires_grad_(True) for t in (x, offset, weight, bias, mask)]
+        out = fn(*leaves)
+        return [out, *torch.autograd.grad(out, leaves, gout.to(cast))]
+
+    ours = run(lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m, backend="triton"), dtype)
+    theirs = run(lambda x, o, w, b, m: torchvision.ops.deform_conv2d(x, o, w, b, padding=1, mask=m), torch.float64)
+    for name, a, t in zip(("output", *NAMES), ours, theirs):
+        assert torch.equal(torch.isfinite(a), torch.isfinite(t)), (name, int((~torch.isfinite(a)).sum()),
+                                                                    int((~torch.isfinite(t)).sum()))
+        finite = torch.isfinite(t)
+        assert_close(a[finite], t[finite], dtype, name)

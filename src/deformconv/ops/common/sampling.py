@@ -6,6 +6,11 @@ weights (1-ly)(1-lx), (1-ly)lx, ly(1-lx), ly·lx, and zero for corners outside t
 the corners' addresses and validity, load them one by one or as pairs along x, blend them, and scatter a
 gradient back to them (atomics), and reduce the gradient with respect to the sample point and its modulation.
 
+Non-finite sample points give torchvision's results. A NaN point samples NaN (its fractions are NaN). An infinite
+one lies outside the image and samples 0, yet the offset gradient of its other coordinate is NaN (torchvision's
+bilinear derivative multiplies that coordinate's NaN fraction by zero corners). So an infinite coordinate's fraction
+is +inf (``fraction``): the weights read it as 0 (``weight_fraction``), the offset gradient as it is (inf·0 = NaN).
+
 Corner pairs: for short channel runs the corners come as ``[BM, NSEG, 2, SEG]`` tensors (position, segment,
 x0 / x0+1, channel), top row and bottom row apart; in a layout where a segment's channels are a pixel's whole
 run, a pair is one contiguous run of 2·SEG elements.
@@ -13,6 +18,19 @@ run, a pair is one contiguous run of 2·SEG elements.
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def fraction(v, v0):
+    """The fraction v - v0 of a coordinate v above v0 = floor(v): NaN for a NaN v, +inf for an infinite v."""
+    return tl.where(tl.abs(v) == float("inf"), float("inf"), v - v0)
+
+
+@triton.jit
+def weight_fraction(f):
+    """A fraction as the bilinear weights and the sampled value take it: an infinite coordinate's (+inf) as 0, so that
+    an infinite sample point, whose corners are all outside and zero, samples 0."""
+    return tl.where(f == float("inf"), 0.0, f)
 
 
 @triton.jit
@@ -36,8 +54,8 @@ def sample_point(
     inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)  # y == -1: zero value, one-sided grad
     y0f = tl.floor(y)
     x0f = tl.floor(x)
-    ly = y - y0f
-    lx = x - x0f
+    ly = fraction(y, y0f)
+    lx = fraction(x, x0f)
     y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
     x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
     top = inside & (y0 >= 0)
@@ -75,8 +93,8 @@ def sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MA
     inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
     y0f = tl.floor(y)
     x0f = tl.floor(x)
-    ly = y - y0f
-    lx = x - x0f
+    ly = fraction(y, y0f)
+    lx = fraction(x, x0f)
     y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
     x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
     top = inside & (y0 >= 0)
@@ -112,6 +130,8 @@ def load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.cons
 @triton.jit
 def bilinear_weights(ly, lx, mv):
     """Weights of the corners (y0, x0), (y0, x0+1), (y0+1, x0), (y0+1, x0+1) from the fractions, mask folded in."""
+    ly = weight_fraction(ly)
+    lx = weight_fraction(lx)
     return (1.0 - ly) * (1.0 - lx) * mv, (1.0 - ly) * lx * mv, ly * (1.0 - lx) * mv, ly * lx * mv
 
 
@@ -192,6 +212,8 @@ def corner_pairs(ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, PAIRS_OUTER: tl.con
 @triton.jit
 def pair_weights(ly, lx, mv):
     """bilinear_weights as pairs: top (w00, w01) and bottom (w10, w11), each [BM, NSEG, 2]."""
+    ly = weight_fraction(ly)
+    lx = weight_fraction(lx)
     right = (tl.arange(0, 2) == 1)[None, None, :]
     wx = tl.where(right, lx[:, :, None], 1.0 - lx[:, :, None])
     return ((1.0 - ly) * mv)[:, :, None] * wx, (ly * mv)[:, :, None] * wx
@@ -250,6 +272,10 @@ def pair_sums(g, top, bottom):
 def mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
     """grad_mask, grad_offset_y, grad_offset_x of one sample point from its pair_sums. The sampled value is
     val = c00 + lx*dx + ly*dy + lx*ly*(dy1 - dy), so grad_mask = sum g*val and grad_offset = mv * sum g *
-    (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels."""
+    (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels. grad_mask takes the
+    fractions as the value does (weight_fraction), grad_offset as they are (an infinite coordinate's +inf makes the
+    other coordinate's gradient NaN, as torchvision's)."""
     dd = sdy1 - sdy
-    return s00 + lx * sdx + ly * sdy + lx * ly * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
+    wy = weight_fraction(ly)
+    wx = weight_fraction(lx)
+    return s00 + wx * sdx + wy * sdy + wx * wy * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
