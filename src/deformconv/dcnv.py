@@ -1,0 +1,206 @@
+"""DCNv3 and DCNv4 as functions with InternImage's and FlashInternImage's argument names and order, and converters
+between their offset conventions and deform_conv2d's. Semantics: ops/dcnv3/geometry.py."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .ops.dcnv3 import op as _op
+from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
+
+
+def _positive(value, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+           group_channels, offset_scale, remove_center) -> DcnGeometry:
+    if not isinstance(input, Tensor) or input.dim() != 4:
+        raise ValueError(f"input must be a 4-D tensor [N, H, W, group * group_channels] (NHWC), got "
+                         f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}")
+    if not input.is_floating_point():
+        raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
+    kh, kw = _positive(kernel_h, "kernel_h"), _positive(kernel_w, "kernel_w")
+    sh, sw = _positive(stride_h, "stride_h"), _positive(stride_w, "stride_w")
+    ph, pw = _positive(pad_h, "pad_h", 0), _positive(pad_w, "pad_w", 0)
+    dh, dw = _positive(dilation_h, "dilation_h"), _positive(dilation_w, "dilation_w")
+    g, d = _positive(group, "group"), _positive(group_channels, "group_channels")
+    if input.shape[3] != g * d:
+        raise ValueError(f"input's last dim must be group * group_channels = {g} * {d} = {g * d} (NHWC), got "
+                         f"{input.shape[3]} (input {tuple(input.shape)})")
+    if remove_center and (kh != kw or kh % 2 == 0):
+        raise ValueError(f"remove_center needs an odd square kernel, got kernel_h={kh}, kernel_w={kw}")
+    if not isinstance(offset_scale, (int, float)) or isinstance(offset_scale, bool):
+        raise TypeError(f"offset_scale must be a number, got {type(offset_scale).__name__}")
+    geo = DcnGeometry(input.shape[0], input.shape[1], input.shape[2], g, d, (kh, kw), (sh, sw), (ph, pw), (dh, dw),
+                      float(offset_scale), bool(remove_center))
+    if geo.out_h <= 0 or geo.out_w <= 0:
+        raise ValueError(f"the output would be empty ({geo.out_h}x{geo.out_w}) for input {tuple(input.shape)} with "
+                         f"kernel ({kh}, {kw}), stride ({sh}, {sw}), pad ({ph}, {pw}), dilation ({dh}, {dw})")
+    return geo
+
+
+def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_least: bool = False) -> None:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    ok = t.dim() == 4 and tuple(t.shape[:3]) == shape[:3] and (
+        t.shape[3] >= shape[3] if last_at_least else t.shape[3] == shape[3])
+    if not ok:
+        want = f"[{shape[0]}, {shape[1]}, {shape[2]}, {'>= ' if last_at_least else ''}{shape[3]}]"
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.device != input.device:
+        raise ValueError(f"{name} must be on input's device {input.device}, got {t.device}")
+    if t.dtype != input.dtype and not torch.is_autocast_enabled(input.device.type):
+        raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
+
+
+def _backend(backend: Optional[str]) -> str:
+    if backend is not None and backend not in _op.BACKENDS:
+        raise ValueError(f"backend must be one of {list(_op.BACKENDS)} (or None for automatic), got {backend!r}")
+    return backend or ""
+
+
+def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int, stride_w: int,
+          pad_h: int, pad_w: int, dilation_h: int, dilation_w: int, group: int, group_channels: int,
+          offset_scale: float, im2col_step: int = 256, remove_center: bool = False, *,
+          backend: Optional[str] = None) -> Tensor:
+    r"""DCNv3's core (InternImage): each group's channels aggregated over K deformed sampling points.
+
+    Arguments in the order of InternImage's ``DCNv3Function.apply``. Point k of output (oh, ow) and group g
+    samples the input bilinearly at ``y = oh*stride_h - pad_h + c_h + (j*dilation_h - c_h + dy)*offset_scale``
+    (likewise x with i, dx), ``c = (dilation*(kernel-1)) // 2``, points ordered kw-outer (k = i*kernel_h + j), the
+    centre skipped with ``remove_center``; only points strictly inside (-1, H) x (-1, W) count, corners outside
+    the image read zero.
+
+    Args:
+        input (Tensor[N, H, W, group * group_channels]): NHWC.
+        offset (Tensor[N, Ho, Wo, group * K * 2]): ``(dx, dy)`` per point.
+        mask (Tensor[N, Ho, Wo, group * K]): aggregation weights (softmaxed over K by the caller).
+        kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w (int): as a convolution's.
+        group (int): G. group_channels (int): D.
+        offset_scale (float): scales offsets and the taps' spread.
+        im2col_step (int): accepted for compatibility; any value works. Default: 256.
+        remove_center (bool): skip the centre point (odd square kernels), K = kh*kw - 1. Default: ``False``.
+        backend (str, optional, keyword-only): ``"reference"``, or ``None`` for automatic. Default: ``None``.
+
+    Returns:
+        Tensor[N, Ho, Wo, group * group_channels], Ho and Wo as a convolution's.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> x = torch.randn(2, 9, 11, 4 * 8)
+        >>> offset, mask = torch.randn(2, 9, 11, 4 * 9 * 2), torch.rand(2, 9, 11, 4 * 9)
+        >>> deformconv.dcnv3(x, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 4, 8, 1.0).shape
+        torch.Size([2, 9, 11, 32])
+    """
+    geo = _check(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+                 group_channels, offset_scale, remove_center)
+    _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
+    _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
+    return torch.ops.deformconv.dcnv3(input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad),
+                                      list(geo.dilation), geo.group, geo.group_channels, geo.offset_scale,
+                                      geo.remove_center, _backend(backend))
+
+
+def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int, stride_w: int, pad_h: int,
+          pad_w: int, dilation_h: int, dilation_w: int, group: int, group_channels: int, offset_scale: float,
+          im2col_step: int = 256, remove_center: bool = False, *, backend: Optional[str] = None) -> Tensor:
+    r"""DCNv4's core (FlashInternImage): DCNv3's sampling with one ``offset_mask`` tensor and raw (unnormalised)
+    aggregation weights.
+
+    Arguments in the order of FlashInternImage's ``DCNv4Function.apply``; any group_channels (DCNv4's CUDA kernels
+    need a multiple of 16).
+
+    Args:
+        input (Tensor[N, H, W, group * group_channels]): NHWC.
+        offset_mask (Tensor[N, Ho, Wo, P]): P >= 3 * group * K; group g's block of 3K channels starts at g*3K: K
+            ``(dx, dy)`` pairs, then K weights. Channels past 3*group*K are ignored (DCNv4's module pads P to a
+            multiple of 8).
+        others: as :func:`dcnv3`.
+
+    Returns:
+        Tensor[N, Ho, Wo, group * group_channels].
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> x = torch.randn(2, 9, 11, 4 * 16)
+        >>> om = torch.randn(2, 9, 11, 112)  # 3 * 4 * 9 = 108, padded to 112
+        >>> deformconv.dcnv4(x, om, 3, 3, 1, 1, 1, 1, 1, 1, 4, 16, 1.0).shape
+        torch.Size([2, 9, 11, 64])
+    """
+    geo = _check(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
+                 group_channels, offset_scale, remove_center)
+    _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
+                  last_at_least=True)
+    return torch.ops.deformconv.dcnv4(input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad),
+                                      list(geo.dilation), geo.group, geo.group_channels, geo.offset_scale,
+                                      geo.remove_center, _backend(backend))
+
+
+class DCNv3Function:
+    """``DCNv3Function.apply(...)`` as InternImage's, for code that calls it directly: :func:`dcnv3`."""
+
+    apply = staticmethod(dcnv3)
+
+
+class DCNv4Function:
+    """``DCNv4Function.apply(...)`` as FlashInternImage's: :func:`dcnv4`."""
+
+    apply = staticmethod(dcnv4)
+
+
+# --- converters ----------------------------------------------------------------------------------------
+
+
+def dcnv4_to_dcnv3(offset_mask: Tensor, group: int, points: int) -> Tuple[Tensor, Tensor]:
+    """DCNv4's ``offset_mask [N, Ho, Wo, P]`` as DCNv3's ``(offset [N, Ho, Wo, G*K*2], mask [N, Ho, Wo, G*K])``."""
+    return _op.split_offset_mask(offset_mask, group, points)
+
+
+def dcnv3_to_dcnv4(offset: Tensor, mask: Tensor, group: int, channels: Optional[int] = None) -> Tensor:
+    """DCNv3's offset and mask as DCNv4's ``offset_mask`` with ``channels`` channels (Default: DCNv4's module's
+    count, 3*G*K rounded up to a multiple of 8; the padding is zero)."""
+    points = mask.shape[-1] // group
+    return _op.join_offset_mask(offset, mask, group, points, channels or padded_dcnv4_channels(group, points))
+
+
+def dcnv3_to_deform_conv2d(offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int, dilation_h: int,
+                           dilation_w: int, group: int, offset_scale: float,
+                           remove_center: bool = False) -> Tuple[Tensor, Tensor]:
+    r"""DCNv3's offset and mask in deform_conv2d's convention: ``(offset [N, 2*G*kh*kw, Ho, Wo]`` with ``(dy, dx)``
+    per tap in row-major order, ``mask [N, G*kh*kw, Ho, Wo])``, NCHW, offset_scale applied (and the removed centre a
+    zero-weight tap). Then, for an input ``x`` [N, H, W, C] (C = G*D)::
+
+        dcnv3(x, offset, mask, kh, kw, sh, sw, ph, pw, dh, dw, G, D, offset_scale) ==
+        deform_conv2d(x.permute(0, 3, 1, 2), off, torch.ones(C, 1, kh, kw), stride=(sh, sw), padding=(ph, pw),
+                      dilation=(dh, dw), mask=m).permute(0, 2, 3, 1)
+
+    (a depthwise convolution of ones: groups = C, offset groups = G), except at a NaN sample point, which DCNv3
+    skips and deform_conv2d samples as NaN.
+    """
+    n, ho, wo, _ = offset.shape
+    geo = DcnGeometry(n, 1, 1, group, 1, (kernel_h, kernel_w), (1, 1), (0, 0), (dilation_h, dilation_w),
+                      float(offset_scale), bool(remove_center))
+    K = geo.points
+    ch, cw = (dilation_h * (kernel_h - 1)) // 2, (dilation_w * (kernel_w - 1)) // 2
+    dev, dt = offset.device, offset.dtype
+    taps = torch.tensor(geo.taps(), device=dev, dtype=torch.int64)  # [K, (i, j)]
+    off = offset.reshape(n, ho, wo, group, K, 2)
+    # deform_conv2d samples at the regular tap (j*dil_h, i*dil_w) plus its offset; DCNv3 at c + (tap - c + d)*scale
+    dy = (taps[:, 1] * dilation_h - ch).to(dt) * (offset_scale - 1) + off[..., 1] * offset_scale
+    dx = (taps[:, 0] * dilation_w - cw).to(dt) * (offset_scale - 1) + off[..., 0] * offset_scale
+    row_major = taps[:, 1] * kernel_w + taps[:, 0]  # deform_conv2d's tap index of each DCNv3 point
+    out_off = offset.new_zeros(n, ho, wo, group, kernel_h * kernel_w, 2)
+    out_mask = mask.new_zeros(n, ho, wo, group, kernel_h * kernel_w)
+    out_off[..., row_major, 0] = dy
+    out_off[..., row_major, 1] = dx
+    out_mask[..., row_major] = mask.reshape(n, ho, wo, group, K)
+    return (out_off.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous(),
+            out_mask.reshape(n, ho, wo, -1).permute(0, 3, 1, 2).contiguous())

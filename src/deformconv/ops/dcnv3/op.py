@@ -1,0 +1,186 @@
+"""The ``deformconv::dcnv3`` and ``deformconv::dcnv4`` operators: torch.library registration of each forward and
+backward op, their fake implementations, autograd formulas and autocast rules.
+
+Both ops run the DCNv3 core (reference.py); DCNv4's op splits its offset_mask into DCNv3's offset and mask (views
+of each group's block) and assembles its gradient back. ``backend`` is a name or "" (automatic). Arguments reach the
+ops checked (deformconv.dcnv).
+"""
+
+from __future__ import annotations
+
+from typing import List, Tuple
+
+import torch
+from torch import Tensor
+
+from .geometry import DcnGeometry
+from . import reference
+
+BACKENDS = ("reference",)
+
+
+def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_channels: int, offset_scale: float,
+             remove_center: bool) -> DcnGeometry:
+    n, h, w, _ = input.shape
+    return DcnGeometry(n, h, w, group, group_channels, tuple(kernel), tuple(stride), tuple(pad), tuple(dilation),
+                       float(offset_scale), bool(remove_center))
+
+
+def _impl(backend: str):
+    if backend not in ("", "reference"):
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
+    return reference
+
+
+# --- DCNv3 ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("deformconv::dcnv3", mutates_args=())
+def dcnv3_op(input: Tensor, offset: Tensor, mask: Tensor, kernel: List[int], stride: List[int], pad: List[int],
+             dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
+             backend: str) -> Tensor:
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return _impl(backend).dcn_forward(input, offset, mask, geo)
+
+
+@dcnv3_op.register_fake
+def _(input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center, backend):
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return input.new_empty(geo.batch, geo.out_h, geo.out_w, geo.channels)
+
+
+@torch.library.custom_op("deformconv::dcnv3_backward", mutates_args=())
+def dcnv3_backward_op(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, kernel: List[int],
+                      stride: List[int], pad: List[int], dilation: List[int], group: int, group_channels: int,
+                      offset_scale: float, remove_center: bool, needs: List[bool],
+                      backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """Gradients (input, offset, mask); one that ``needs`` does not ask for comes back empty."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    grads = _impl(backend).dcn_backward(grad_out, input, offset, mask, geo, needs)
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
+
+
+@dcnv3_backward_op.register_fake
+def _(grad_out, input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center,
+      needs, backend):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if need else input.new_empty(0)
+                 for t, need in zip((input, offset, mask), needs))
+
+
+def _setup_v3(ctx, inputs, output):
+    input, offset, mask, *params = inputs
+    ctx.save_for_backward(input, offset, mask)
+    ctx.params = params
+
+
+def _backward_v3(ctx, grad_out):
+    input, offset, mask = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:3]]
+    if not any(needs):
+        return (None,) * 12
+    *params, backend = ctx.params
+    grads = dcnv3_backward_op(grad_out, input, offset, mask, *params, needs, backend)
+    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 9
+
+
+dcnv3_op.register_autograd(_backward_v3, setup_context=_setup_v3)
+
+
+# --- DCNv4 ---------------------------------------------------------------------------------------------
+
+
+def split_offset_mask(offset_mask: Tensor, group: int, points: int) -> Tuple[Tensor, Tensor]:
+    """DCNv4's offset_mask [N, Ho, Wo, P] as DCNv3's (offset [N, Ho, Wo, G·K·2], mask [N, Ho, Wo, G·K]) (copies)."""
+    n, ho, wo, _ = offset_mask.shape
+    blocks = offset_mask[..., :3 * group * points].reshape(n, ho, wo, group, 3 * points)
+    offset = blocks[..., :2 * points].reshape(n, ho, wo, group * 2 * points)
+    mask = blocks[..., 2 * points:].reshape(n, ho, wo, group * points)
+    return offset, mask
+
+
+def join_offset_mask(offset: Tensor, mask: Tensor, group: int, points: int, channels: int) -> Tensor:
+    """DCNv3's offset and mask as DCNv4's offset_mask with `channels` channels (>= 3·G·K; the rest zero)."""
+    n, ho, wo, _ = offset.shape
+    out = offset.new_zeros(n, ho, wo, channels)
+    blocks = out[..., :3 * group * points].view(n, ho, wo, group, 3 * points)
+    blocks[..., :2 * points] = offset.reshape(n, ho, wo, group, 2 * points)
+    blocks[..., 2 * points:] = mask.reshape(n, ho, wo, group, points)
+    return out
+
+
+@torch.library.custom_op("deformconv::dcnv4", mutates_args=())
+def dcnv4_op(input: Tensor, offset_mask: Tensor, kernel: List[int], stride: List[int], pad: List[int],
+             dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
+             backend: str) -> Tensor:
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    offset, mask = split_offset_mask(offset_mask, group, geo.points)
+    return _impl(backend).dcn_forward(input, offset, mask, geo)
+
+
+@dcnv4_op.register_fake
+def _(input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center, backend):
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return input.new_empty(geo.batch, geo.out_h, geo.out_w, geo.channels)
+
+
+@torch.library.custom_op("deformconv::dcnv4_backward", mutates_args=())
+def dcnv4_backward_op(grad_out: Tensor, input: Tensor, offset_mask: Tensor, kernel: List[int], stride: List[int],
+                      pad: List[int], dilation: List[int], group: int, group_channels: int, offset_scale: float,
+                      remove_center: bool, needs: List[bool], backend: str) -> Tuple[Tensor, Tensor]:
+    """Gradients (input, offset_mask); offset_mask's padding channels get zero. One not needed comes back empty."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    offset, mask = split_offset_mask(offset_mask, group, geo.points)
+    need_in, need_om = needs
+    g_in, g_off, g_mask = _impl(backend).dcn_backward(grad_out, input, offset, mask, geo, [need_in, need_om, need_om])
+    g_om = join_offset_mask(g_off, g_mask, group, geo.points, offset_mask.shape[-1]) if need_om else None
+    return tuple(g if g is not None else input.new_empty(0) for g in (g_in, g_om))  # type: ignore[return-value]
+
+
+@dcnv4_backward_op.register_fake
+def _(grad_out, input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center,
+      needs, backend):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) if need else input.new_empty(0)
+                 for t, need in zip((input, offset_mask), needs))
+
+
+def _setup_v4(ctx, inputs, output):
+    input, offset_mask, *params = inputs
+    ctx.save_for_backward(input, offset_mask)
+    ctx.params = params
+
+
+def _backward_v4(ctx, grad_out):
+    input, offset_mask = ctx.saved_tensors
+    needs = [bool(n) for n in ctx.needs_input_grad[:2]]
+    if not any(needs):
+        return (None,) * 11
+    *params, backend = ctx.params
+    grads = dcnv4_backward_op(grad_out, input, offset_mask, *params, needs, backend)
+    return (*(g if need else None for g, need in zip(grads, needs)),) + (None,) * 9
+
+
+dcnv4_op.register_autograd(_backward_v4, setup_context=_setup_v4)
+
+
+# --- autocast: the ops run in the autocast dtype, as deform_conv2d's (library.py) ------------------------
+
+
+def _register_autocast() -> None:
+    from ...library import autocast_inputs
+
+    lib = torch.library.Library("deformconv", "FRAGMENT")
+    for name in ("dcnv3", "dcnv4"):
+        op = getattr(torch.ops.deformconv, name).default
+        for device_type in ("cuda", "cpu"):
+            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+
+            def kernel(_keyset, *args, op=op, device_type=device_type, key=key):
+                with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.__members__[key])):
+                    return op(*autocast_inputs(args, device_type))
+
+            lib.impl(name, kernel, key, with_keyset=True)
+    _LIBS.append(lib)
+
+
+_LIBS: list = []  # the autocast registrations live as long as their Library objects
+_register_autocast()

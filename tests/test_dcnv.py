@@ -1,0 +1,233 @@
+"""DCNv3 and DCNv4 (deformconv.dcnv3 / dcnv4, their ops and modules) against an independent naive loop
+implementation in float64, each convention against the others (DCNv4's offset_mask, deform_conv2d's offsets), the
+torch.library registrations, argument errors, and the modules' checkpoint keys."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import deformconv
+from _naive_dcn import naive_dcnv3
+
+# (N, H, W, G, D, kh, kw, stride, pad, dilation, offset_scale, remove_center): odd sizes, D not a multiple of 16,
+# strides, dilations, a non-square kernel, offset_scale != 1
+CASES = {
+    "3x3-same": (2, 6, 7, 3, 5, 3, 3, (1, 1), (1, 1), (1, 1), 1.0, False),
+    "remove-center-scale": (1, 7, 5, 2, 3, 3, 3, (1, 1), (1, 1), (1, 1), 0.6, True),
+    "stride2-dil2": (2, 9, 8, 1, 4, 3, 3, (2, 2), (2, 2), (2, 2), 1.0, False),
+    "nonsquare-stride": (1, 6, 9, 2, 3, 3, 5, (2, 1), (1, 2), (1, 1), 1.7, False),
+    "5x5-remove-center": (1, 7, 7, 4, 1, 5, 5, (1, 1), (2, 2), (1, 1), 1.0, True),
+}
+
+
+def _case(name, dtype=torch.float64, seed=0):
+    n, h, w, g, d, kh, kw, s, p, dil, scale, rc = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    ho = (h + 2 * p[0] - (dil[0] * (kh - 1) + 1)) // s[0] + 1
+    wo = (w + 2 * p[1] - (dil[1] * (kw - 1) + 1)) // s[1] + 1
+    k = kh * kw - int(rc)
+    x = torch.randn(n, h, w, g * d, generator=gen, dtype=torch.float64)
+    offset = torch.randn(n, ho, wo, g * k * 2, generator=gen, dtype=torch.float64) * 1.5
+    # keep sample points away from whole numbers (bilinear's derivative jumps there)
+    offset = torch.where((offset - offset.round()).abs() < 1e-3, offset + 3e-3, offset)
+    mask = torch.rand(n, ho, wo, g * k, generator=gen, dtype=torch.float64)
+    params = (kh, kw, s[0], s[1], p[0], p[1], dil[0], dil[1], g, d, scale)
+    return [t.to(dtype) for t in (x, offset, mask)], params, rc
+
+
+def _grads(fn, leaves, gout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, gout.to(out.dtype))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dcnv3_matches_the_naive_loops(name):
+    leaves, params, rc = _case(name)
+    gout = torch.randn(naive_dcnv3(*leaves, *params, rc).shape, dtype=torch.float64)
+    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 64, rc), leaves, gout)
+    naive = _grads(lambda x, o, m: naive_dcnv3(x, o, m, *params, rc), leaves, gout)
+    torch.testing.assert_close(ours[0], naive[0], atol=1e-12, rtol=1e-12)
+    for what, a, b in zip(("input", "offset", "mask"), ours[1], naive[1]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+def test_gradcheck():
+    leaves, params, rc = _case("remove-center-scale")
+    leaves = [t.requires_grad_(True) for t in leaves]
+    assert torch.autograd.gradcheck(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc), leaves)
+
+
+@pytest.mark.parametrize("name", ["3x3-same", "5x5-remove-center"])
+def test_dcnv4_is_dcnv3_with_one_offset_mask(name):
+    """DCNv4's offset_mask (groups' blocks of 2K offsets and K weights, padded to a multiple of 8) gives DCNv3's
+    output, and its gradient is DCNv3's offset and mask gradients in that layout, zero on the padding."""
+    (x, offset, mask), params, rc = _case(name)
+    g = params[8]
+    om = deformconv.dcnv3_to_dcnv4(offset, mask, g)
+    assert om.shape[-1] % 8 == 0 and om.shape[-1] >= 3 * mask.shape[-1]
+    om = om + torch.where(torch.arange(om.shape[-1]) >= 3 * mask.shape[-1], 7.0, 0.0).double()  # padding ignored
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
+    v3 = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc), [x, offset, mask], gout)
+    v4 = _grads(lambda x, om: deformconv.dcnv4(x, om, *params, 256, rc), [x, om], gout)
+    torch.testing.assert_close(v4[0], v3[0], atol=1e-13, rtol=1e-13)
+    torch.testing.assert_close(v4[1][0], v3[1][0], atol=1e-13, rtol=1e-13)
+    expected = deformconv.dcnv3_to_dcnv4(v3[1][1], v3[1][2], g, om.shape[-1])
+    torch.testing.assert_close(v4[1][1], expected, atol=1e-13, rtol=1e-13)
+    back = deformconv.dcnv4_to_dcnv3(om, g, mask.shape[-1] // g)
+    torch.testing.assert_close(back[0], offset)
+    torch.testing.assert_close(back[1], mask)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_deform_conv2d_convention(name):
+    """dcnv3 equals deform_conv2d with a depthwise weight of ones (groups = C, offset groups = G) on the converted
+    offsets and mask, forward and input gradient."""
+    (x, offset, mask), params, rc = _case(name)
+    kh, kw, sh, sw, ph, pw, dh, dw, g, d, scale = params
+    off2, mask2 = deformconv.dcnv3_to_deform_conv2d(offset, mask, kh, kw, dh, dw, g, scale, rc)
+    ones = torch.ones(g * d, 1, kh, kw, dtype=torch.float64)
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], g * d, dtype=torch.float64)
+    a = _grads(lambda x: deformconv.dcnv3(x, offset, mask, *params, 256, rc), [x], gout)
+    b = _grads(lambda x: deformconv.deform_conv2d(x.permute(0, 3, 1, 2), off2, ones, stride=(sh, sw), padding=(ph, pw),
+                                                  dilation=(dh, dw), mask=mask2).permute(0, 2, 3, 1), [x], gout)
+    torch.testing.assert_close(a[0], b[0], atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(a[1][0], b[1][0], atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e30], ids=["nan", "inf", "-huge"])
+def test_points_outside_or_nan_count_nowhere(value):
+    """A NaN, infinite or huge offset: that point contributes nothing and gets no gradient (as DCNv3's CUDA kernel,
+    which skips points outside (-1, H) x (-1, W)); everything else stays finite and equal to the naive loops'."""
+    (x, offset, mask), params, rc = _case("3x3-same")
+    offset = offset.clone()
+    offset[0, 2, 3, 5] = value
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
+    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc), [x, offset, mask], gout)
+    for t in (ours[0], *ours[1]):
+        assert torch.isfinite(t).all()
+    clean = offset.clone()
+    clean[0, 2, 3, 5] = 1e6  # far outside: the same point skipped
+    naive = _grads(lambda x, o, m: naive_dcnv3(x, o, m, *params, rc), [x, clean, mask], gout)
+    torch.testing.assert_close(ours[0], naive[0])
+    torch.testing.assert_close(ours[1][0], naive[1][0])
+    assert ours[1][1][0, 2, 3, 5] == 0
+
+
+def test_half_inputs_compute_in_float32():
+    leaves, params, rc = _case("3x3-same", torch.bfloat16)
+    out = deformconv.dcnv3(*leaves, *params, 256, rc)
+    exact = naive_dcnv3(*[t.double() for t in leaves], *params, rc)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), exact, atol=2e-2 * exact.abs().max().item(), rtol=4e-2)
+
+
+def test_empty_batch():
+    (x, offset, mask), params, rc = _case("3x3-same")
+    x0, o0, m0 = (t[:0].requires_grad_(True) for t in (x, offset, mask))
+    out = deformconv.dcnv3(x0, o0, m0, *params)
+    assert out.shape == (0, *mask.shape[1:3], x.shape[3])
+    out.sum().backward()
+    assert x0.grad.shape == x0.shape
+
+
+def test_ops_registrations():
+    """opcheck: schemas, fake implementations, autograd registrations of both ops."""
+    (x, offset, mask), params, rc = _case("remove-center-scale", torch.float32)
+    kh, kw, sh, sw, ph, pw, dh, dw, g, d, scale = params
+    common = ([kh, kw], [sh, sw], [ph, pw], [dh, dw], g, d, scale, rc, "")
+    leaves = [t.requires_grad_(True) for t in (x, offset, mask)]
+    torch.library.opcheck(torch.ops.deformconv.dcnv3.default, (*leaves, *common))
+    om = deformconv.dcnv3_to_dcnv4(offset.detach(), mask.detach(), g).requires_grad_(True)
+    torch.library.opcheck(torch.ops.deformconv.dcnv4.default, (leaves[0], om, *common))
+
+
+def test_compile_fullgraph_export_and_autocast():
+    m = deformconv.DCNv3(channels=12, group=3).eval()
+    torch.nn.init.normal_(m.offset.weight, std=0.1)
+    x = torch.randn(2, 7, 9, 12)
+    eager = m(x)
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(x), eager)
+    ep = torch.export.export(m, (x,))
+    assert any("deformconv.dcnv3" in str(nd.target) for nd in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(x), eager)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+    assert y.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, o, m: deformconv.dcnv3(x, o, m, 3, 3, 1, 1, 1, 1, 1, 1, 5, 3, 1.0), "group \\* group_channels"),
+    (lambda x, o, m: deformconv.dcnv3(x, o[..., :-2], m, 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0), "offset must have shape"),
+    (lambda x, o, m: deformconv.dcnv3(x, o, m[..., :-1], 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0), "mask must have shape"),
+    (lambda x, o, m: deformconv.dcnv3(x, o, m, 3, 3, 0, 1, 1, 1, 1, 1, 3, 4, 1.0), "stride_h"),
+    (lambda x, o, m: deformconv.dcnv3(x, o, m, 2, 2, 1, 1, 1, 1, 1, 1, 3, 4, 1.0, 256, True), "remove_center"),
+    (lambda x, o, m: deformconv.dcnv3(x, o, m.double(), 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0), "mask must have"),
+    (lambda x, o, m: deformconv.dcnv3(x[0], o, m, 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0), "4-D tensor"),
+    (lambda x, o, m: deformconv.dcnv3(x, o, m, 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0, backend="cuda"), "backend"),
+    (lambda x, o, m: deformconv.dcnv4(x, o, 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0), "offset_mask must have shape"),
+])
+def test_argument_errors_name_the_argument(call, match):
+    x, offset, mask = torch.randn(2, 5, 6, 12), torch.randn(2, 5, 6, 54), torch.rand(2, 5, 6, 27)
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(x, offset, mask)
+
+
+# --- modules -------------------------------------------------------------------------------------------
+
+DCNV3_KEYS = ["center_feature_scale_proj_bias", "center_feature_scale_proj_weight", "dw_conv.0.bias",
+              "dw_conv.0.weight", "dw_conv.1.1.bias", "dw_conv.1.1.weight", "input_proj.bias", "input_proj.weight",
+              "mask.bias", "mask.weight", "offset.bias", "offset.weight", "output_proj.bias", "output_proj.weight"]
+DCNV4_KEYS = ["center_feature_scale_proj_bias", "center_feature_scale_proj_weight", "offset_mask.bias",
+              "offset_mask.weight", "offset_mask_dw.bias", "offset_mask_dw.weight", "output_proj.bias",
+              "output_proj.weight", "value_proj.bias", "value_proj.weight"]
+
+
+def test_module_keys_and_shapes_are_internimages():
+    """The keys and shapes of InternImage's DCNv3 (LN norm, center_feature_scale) and FlashInternImage's DCNv4
+    (dw_kernel_size, center_feature_scale): their checkpoints load with strict=True."""
+    m3 = deformconv.DCNv3(channels=64, group=4, center_feature_scale=True)
+    assert sorted(m3.state_dict()) == DCNV3_KEYS
+    assert m3.offset.weight.shape == (4 * 9 * 2, 64) and m3.mask.weight.shape == (4 * 9, 64)
+    m4 = deformconv.DCNv4(channels=64, group=4, dw_kernel_size=3, center_feature_scale=True)
+    assert sorted(m4.state_dict()) == DCNV4_KEYS
+    assert m4.offset_mask.weight.shape == (112, 64)  # ceil(3 * 4 * 9 / 8) * 8
+    m4.load_state_dict({k: torch.randn_like(v) for k, v in m4.state_dict().items()}, strict=True)
+    bn = deformconv.DCNv3(channels=16, group=2, norm_layer="BN", remove_center=True)
+    assert "dw_conv.1.0.running_mean" in bn.state_dict() and bn.mask.weight.shape == (2 * 8, 16)
+    assert deformconv.DCNv4(channels=16, group=2, without_pointwise=True, remove_center=True).offset_mask.weight.shape \
+        == (48, 16)
+
+
+def test_dcnv3_module_is_its_definition():
+    """DCNv3's forward: input_proj, dw_conv -> offset / softmaxed mask, the core, the centre blend, output_proj
+    (written out here with the naive loops), with weights that move the samples."""
+    torch.manual_seed(0)
+    m = deformconv.DCNv3(channels=6, group=2, center_feature_scale=True).double()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(1, 5, 4, 6, dtype=torch.float64)
+    v = m.input_proj(x)
+    x1 = m.dw_conv(x.permute(0, 3, 1, 2))
+    mask = F.softmax(m.mask(x1).reshape(1, 5, 4, 2, 9), -1).reshape(1, 5, 4, 18)
+    core = naive_dcnv3(v, m.offset(x1), mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, False)
+    s = torch.sigmoid(F.linear(x1, m.center_feature_scale_proj_weight, m.center_feature_scale_proj_bias))
+    s = s.repeat_interleave(3, -1)
+    torch.testing.assert_close(m(x), m.output_proj(core * (1 - s) + v * s))
+
+
+def test_dcnv4_module_is_its_definition():
+    torch.manual_seed(1)
+    m = deformconv.DCNv4(channels=8, group=2, dw_kernel_size=3).double()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5 * 3, 8, dtype=torch.float64)
+    v = m.value_proj(x).reshape(2, 5, 3, 8)
+    om_in = m.offset_mask_dw(x.view(2, 5, 3, 8).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(2, 15, 8)
+    offset, mask = deformconv.dcnv4_to_dcnv3(m.offset_mask(om_in).reshape(2, 5, 3, -1), 2, 9)
+    core = naive_dcnv3(v, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 4, 1.0, False)
+    torch.testing.assert_close(m(x, shape=(5, 3)), m.output_proj(core.reshape(2, 15, 8)))
+    assert math.isqrt(16) == 4 and m(torch.randn(1, 16, 8, dtype=torch.float64)).shape == (1, 16, 8)
