@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import deformconv
 from _naive_dcn import naive_dcnv3
+from conftest import assert_close, requires_interpreter
 
 # (N, H, W, G, D, kh, kw, stride, pad, dilation, offset_scale, remove_center): odd sizes, D not a multiple of 16,
 # strides, dilations, a non-square kernel, offset_scale != 1
@@ -231,3 +232,84 @@ def test_dcnv4_module_is_its_definition():
     core = naive_dcnv3(v, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 2, 4, 1.0, False)
     torch.testing.assert_close(m(x, shape=(5, 3)), m.output_proj(core.reshape(2, 15, 8)))
     assert math.isqrt(16) == 4 and m(torch.randn(1, 16, 8, dtype=torch.float64)).shape == (1, 16, 8)
+
+
+# --- the Triton kernels (under the interpreter on a CPU) -------------------------------------------------
+
+
+
+def _run(backend, dtype, leaves, fn, gout):
+    """Output and gradients of fn on the leaves cast to dtype (the float64 reference gets the same rounded values)."""
+    cast = [t.to(dtype).to(torch.float64 if backend == "reference" else dtype).requires_grad_(True) for t in leaves]
+    out = fn(*cast, backend)
+    return [out, *torch.autograd.grad(out, cast, gout.to(out.dtype))]
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_triton_dcnv3_matches_the_reference(name, dtype):
+    leaves, params, rc = _case(name)
+    gout = torch.randn(leaves[0].shape[0], *leaves[2].shape[1:3], leaves[0].shape[3], dtype=torch.float64)
+    fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
+    ours = _run("triton", dtype, leaves, fn, gout)
+    ref = _run("reference", dtype, leaves, fn, gout)
+    assert ours[0].dtype == dtype
+    for what, a, b in zip(("output", "grad_input", "grad_offset", "grad_mask"), ours, ref):
+        assert_close(a, b, dtype, what)
+
+
+@requires_interpreter
+def test_triton_dcnv4_matches_the_reference():
+    (x, offset, mask), params, rc = _case("5x5-remove-center")
+    om = deformconv.dcnv3_to_dcnv4(offset, mask, params[8])
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
+    fn = lambda x, om, backend: deformconv.dcnv4(x, om, *params, 256, rc, backend=backend)  # noqa: E731
+    ours = _run("triton", torch.float32, [x, om], fn, gout)
+    ref = _run("reference", torch.float32, [x, om], fn, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset_mask"), ours, ref):
+        assert_close(a, b, torch.float32, what)
+    assert (ours[2][..., 3 * mask.shape[-1]:] == 0).all()  # the padding channels' gradient
+
+
+@requires_interpreter
+def test_triton_deterministic_mode_is_reproducible_and_right():
+    """torch.use_deterministic_algorithms(True): grad_input summed in int64 fixed point, the same bits on every run,
+    within fp32's tolerance of the reference."""
+    leaves, params, rc = _case("stride2-dil2")
+    gout = torch.randn(leaves[0].shape[0], *leaves[2].shape[1:3], leaves[0].shape[3], dtype=torch.float64)
+    fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_run("triton", torch.float32, leaves, fn, gout) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0][1], runs[1][1])
+    ref = _run("reference", torch.float32, leaves, fn, gout)
+    assert_close(runs[0][1], ref[1], torch.float32, "grad_input")
+
+
+@requires_interpreter
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_triton_points_outside_or_nan_count_nowhere(value):
+    (x, offset, mask), params, rc = _case("3x3-same")
+    offset = offset.clone()
+    offset[0, 2, 3, 5] = value
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
+    fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
+    ours = _run("triton", torch.float32, [x, offset, mask], fn, gout)
+    ref = _run("reference", torch.float32, [x, offset, mask], fn, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset", "grad_mask"), ours, ref):
+        assert torch.isfinite(a).all(), what
+        assert_close(a, b, torch.float32, what)
+
+
+def test_automatic_backend_and_errors():
+    from deformconv.ops.dcnv3.op import select
+
+    assert select(torch.device("cpu"), torch.float32, "") == "reference"
+    assert select(torch.device("cpu"), torch.float64, "reference") == "reference"
+    with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
+        select(torch.device("cpu"), torch.float64, "triton")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select(torch.device("cpu"), torch.float32, "cpu")

@@ -110,6 +110,28 @@ def sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MA
 
 
 @triton.jit
+def point_corners(y, x, pix_base, H, W, PIX, live):
+    """A sample point (y, x) [BM] (fp32) that counts only strictly inside (-1, H) x (-1, W) (DCNv3's, DCNv4's and
+    multi-scale deformable attention's rule; a NaN point nowhere): the element offset p00 of its top-left corner
+    (pixels PIX elements apart from pix_base), which of the 4 corners are read (none for a point that does not
+    count), its fractions (ly, lx) (finite: a point that does not count has its coordinates replaced first), and
+    whether it counts."""
+    inside = live & (y > -1.0) & (y < H) & (x > -1.0) & (x < W)
+    y = tl.where(inside, y, 0.0)
+    x = tl.where(inside, x, 0.0)
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    y0 = y0f.to(tl.int32)
+    x0 = x0f.to(tl.int32)
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    return p00, top & left, top & right, bottom & left, bottom & right, y - y0f, x - x0f, inside
+
+
+@triton.jit
 def load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
     """The 4 bilinear corners [BM, BK] (the input's dtype, zero outside the image) of channels cc."""
     ptrs = ptr + p00[:, None] + cc[None, :]

@@ -13,10 +13,10 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from .geometry import DcnGeometry
 from . import reference
+from .geometry import DcnGeometry
 
-BACKENDS = ("reference",)
+BACKENDS = ("triton", "reference")
 
 
 def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_channels: int, offset_scale: float,
@@ -26,10 +26,30 @@ def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_cha
                        float(offset_scale), bool(remove_center))
 
 
-def _impl(backend: str):
-    if backend not in ("", "reference"):
-        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
-    return reference
+def select(device: torch.device, dtype: torch.dtype, requested: str) -> str:
+    """The backend that runs a call: the one requested (which must be able to), else the Triton kernels where they
+    run automatically (CUDA; fp16, bf16, fp32), else the reference."""
+    from ...backends import BACKENDS as CONV_BACKENDS
+
+    triton_reasons = CONV_BACKENDS["triton"].not_supported_reasons(device, dtype)
+    if requested == "triton":
+        if triton_reasons:
+            raise RuntimeError(f"backend='triton' cannot run on device {device} with dtype {dtype}: "
+                               + "; ".join(triton_reasons))
+        return "triton"
+    if requested == "reference":
+        return "reference"
+    if requested:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {requested!r}")
+    return "triton" if not triton_reasons and CONV_BACKENDS["triton"].automatic(device) else "reference"
+
+
+def _impl(input: Tensor, backend: str):
+    if input.shape[0] == 0 or select(input.device, input.dtype, backend) == "reference":
+        return reference
+    from . import triton as kernels
+
+    return kernels
 
 
 # --- DCNv3 ---------------------------------------------------------------------------------------------
@@ -40,7 +60,7 @@ def dcnv3_op(input: Tensor, offset: Tensor, mask: Tensor, kernel: List[int], str
              dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
              backend: str) -> Tensor:
     geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    return _impl(backend).dcn_forward(input, offset, mask, geo)
+    return _impl(input, backend).dcn_forward(input, offset, mask, geo)
 
 
 @dcnv3_op.register_fake
@@ -56,7 +76,7 @@ def dcnv3_backward_op(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Ten
                       backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (input, offset, mask); one that ``needs`` does not ask for comes back empty."""
     geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    grads = _impl(backend).dcn_backward(grad_out, input, offset, mask, geo, needs)
+    grads = _impl(input, backend).dcn_backward(grad_out, input, offset, mask, geo, needs)
     return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
@@ -113,8 +133,7 @@ def dcnv4_op(input: Tensor, offset_mask: Tensor, kernel: List[int], stride: List
              dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
              backend: str) -> Tensor:
     geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    offset, mask = split_offset_mask(offset_mask, group, geo.points)
-    return _impl(backend).dcn_forward(input, offset, mask, geo)
+    return _impl(input, backend).dcnv4_forward(input, offset_mask, geo)
 
 
 @dcnv4_op.register_fake
@@ -129,11 +148,8 @@ def dcnv4_backward_op(grad_out: Tensor, input: Tensor, offset_mask: Tensor, kern
                       remove_center: bool, needs: List[bool], backend: str) -> Tuple[Tensor, Tensor]:
     """Gradients (input, offset_mask); offset_mask's padding channels get zero. One not needed comes back empty."""
     geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    offset, mask = split_offset_mask(offset_mask, group, geo.points)
-    need_in, need_om = needs
-    g_in, g_off, g_mask = _impl(backend).dcn_backward(grad_out, input, offset, mask, geo, [need_in, need_om, need_om])
-    g_om = join_offset_mask(g_off, g_mask, group, geo.points, offset_mask.shape[-1]) if need_om else None
-    return tuple(g if g is not None else input.new_empty(0) for g in (g_in, g_om))  # type: ignore[return-value]
+    grads = _impl(input, backend).dcnv4_backward(grad_out, input, offset_mask, geo, needs)
+    return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
 @dcnv4_backward_op.register_fake

@@ -141,3 +141,22 @@ def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, 
              None if g_off is None else g_off.reshape(offset.shape),
              None if g_mask is None else g_mask.reshape(mask.shape))
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, (input, offset, mask)))
+
+
+def dcnv4_forward(input: Tensor, offset_mask: Tensor, geo: DcnGeometry) -> Tensor:
+    """DCNv4: DCNv3's core on offset_mask's offsets and weights."""
+    from .op import split_offset_mask
+
+    return dcn_forward(input, *split_offset_mask(offset_mask, geo.group, geo.points), geo)
+
+
+def dcnv4_backward(grad_out: Tensor, input: Tensor, offset_mask: Tensor, geo: DcnGeometry,
+                   needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """DCNv4: gradients (input, offset_mask), offset_mask's padding channels zero."""
+    from .op import join_offset_mask, split_offset_mask
+
+    need_in, need_om = needs
+    offset, mask = split_offset_mask(offset_mask, geo.group, geo.points)
+    g_in, g_off, g_mask = dcn_backward(grad_out, input, offset, mask, geo, [need_in, need_om, need_om])
+    g_om = join_offset_mask(g_off, g_mask, geo.group, geo.points, offset_mask.shape[-1]) if need_om else None
+    return g_in, g_om

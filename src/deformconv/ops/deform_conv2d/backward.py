@@ -19,6 +19,7 @@ from torch import Tensor
 from ... import config
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 from ...config import options
+from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import Launch, dot_precision, pick_config, remember
 from ..common.layout import (channel_sum, from_offset_grouped, run_transposes, to_nhwc, to_nhwc_summed,
                              to_offset_grouped)
@@ -40,16 +41,10 @@ def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: in
     possible contribution at 100x152 images with 3x3 kernels (finer for smaller images), far below fp32's rounding. Computed on the
     device (no sync; CUDA-graph capturable). A bound that is not finite (NaN or Inf in grad_out, weight or
     mask) or beyond fp32's exponent range gives NaN scales, and so a grad_input that is NaN throughout."""
-    def max_abs(t: Tensor) -> Tensor:  # float64 scalar; 0 for an empty tensor (an empty batch)
-        return torch.linalg.vector_norm(t, float("inf")).double() if t.numel() else t.new_zeros((), dtype=torch.float64)
-
     bound = max_abs(go) * max_abs(wp.abs().sum(-1)) * count
     if mask is not None:
         bound = bound * max_abs(mask)
-    exp = 62 - torch.ceil(torch.log2(bound))  # bound 0: +inf, clamped to the largest scale below
-    usable = torch.isfinite(bound) & (exp >= -126)
-    exp = torch.where(usable, exp.clamp(max=126), torch.full_like(exp, float("nan")))
-    return torch.exp2(exp).float().reshape(1), torch.exp2(-exp).float().reshape(1)
+    return scales_for(bound)
 
 
 

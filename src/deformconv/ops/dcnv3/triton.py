@@ -1,0 +1,263 @@
+"""DCNv3/DCNv4 Triton kernels: the core's forward and backward (the sampling geometry: geometry.py).
+
+Shapes (NHWC, C = G·D, K points a group):
+    input        [N, H, W, C]
+    offsets      (Δx, Δy) of point k, group g, output row r = (n, oh, ow):  off[r·OFF_ROW + g·OFF_GROUP + 2k (+1)]
+    weights      point k, group g:                                           msk[r·MSK_ROW + g·MSK_GROUP + k]
+    out          [N, Ho, Wo, C]
+DCNv3's offset and mask are two tensors (OFF_ROW = G·K·2, OFF_GROUP = 2K; MSK_ROW = G·K, MSK_GROUP = K); DCNv4's
+offset_mask is one (both rows P, both groups 3K, the weights 2K further on).
+
+A program owns BLOCK_M output positions of one group and all D channels of it (BLOCK_D ≥ D): per point it loads the
+offsets and weight once, then 4 corner rows of D contiguous channels. The forward accumulates in fp32; the backward
+recomputes each sample, reduces grad_offset and grad_mask over the channels (each written by its one program), and
+adds grad_input into an fp32 buffer by atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..common.fixed_point import max_abs, scales_for
+from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
+from .geometry import DcnGeometry
+
+# --- configs -------------------------------------------------------------------------------------------
+
+TILE_ELEMENTS = 4096  # BLOCK_M·BLOCK_D of a program: the corner tiles' registers
+
+
+def _blocks(d: int) -> Tuple[int, int]:
+    """(BLOCK_M, BLOCK_D): all D channels (a power of two at or above D), and positions filling TILE_ELEMENTS,
+    16 to 128."""
+    block_d = triton.next_power_of_2(max(d, 1))
+    return max(16, min(128, TILE_ELEMENTS // block_d)), block_d
+
+
+# --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+           DIL_H, DIL_W, SCALE, KH: tl.constexpr, KW: tl.constexpr, REMOVE_CENTER: tl.constexpr):
+    """Point k of every position: its corners (point_corners), its aggregation weight (zero where it does not
+    count) and its offsets' addresses."""
+    t = k
+    if REMOVE_CENTER:  # the centre tap, number c = (KH·KW - 1) / 2 of an odd square kernel, skipped: k // c is 1 past it
+        t = k + k // ((KH * KW - 1) // 2)
+    i = t // KH  # along the width (outer)
+    j = t - i * KH
+    ch = (DIL_H * (KH - 1)) // 2
+    cw = (DIL_W * (KW - 1)) // 2
+    dx = tl.load(off_ptr + off_row + 2 * k, mask=m_ok, other=0.0).to(tl.float32)
+    dy = tl.load(off_ptr + off_row + 2 * k + 1, mask=m_ok, other=0.0).to(tl.float32)
+    y = (oh * STRIDE_H - PAD_H + ch).to(tl.float32) + ((j * DIL_H - ch).to(tl.float32) + dy) * SCALE
+    x = (ow * STRIDE_W - PAD_W + cw).to(tl.float32) + ((i * DIL_W - cw).to(tl.float32) + dx) * SCALE
+    p00, v00, v01, v10, v11, ly, lx, inside = point_corners(y, x, n_pix, H, W, C, m_ok)
+    mk = tl.load(msk_ptr + msk_row + k, mask=m_ok, other=0.0).to(tl.float32)
+    return p00, v00, v01, v10, v11, ly, lx, inside, tl.where(inside, mk, 0.0)
+
+
+@triton.jit
+def _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW, MSK_GROUP, BLOCK_M: tl.constexpr):
+    """The program's positions: validity, (oh, ow), the element offset of their image, and their offset and weight
+    rows."""
+    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < M
+    L = HO * WO
+    n = offs_m // L
+    l = offs_m - n * L
+    oh = l // WO
+    ow = l - oh * WO
+    rows = offs_m.to(tl.int64)
+    return (m_ok, offs_m, oh, ow, n.to(tl.int64) * H * W * C, rows * OFF_ROW + g * OFF_GROUP,
+            rows * MSK_ROW + g * MSK_GROUP)
+
+
+@triton.jit
+def _dcn_fwd_kernel(
+    x_ptr, off_ptr, msk_ptr, out_ptr,          # see the module docstring; out like x's layout, [N, Ho, Wo, C]
+    H, W, HO, WO, M, C,                        # M = N·Ho·Wo
+    OFF_ROW, OFF_GROUP, MSK_ROW, MSK_GROUP,
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE,
+    D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[m, g·D + d] = Σ_k w_k · bilinear(x[n, :, :, g·D + d], y_k, x_k). Grid: (M tiles, G)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    m_ok, offs_m, oh, ow, n_pix, off_row, msk_row = _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW,
+                                                          MSK_GROUP, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    cc = g * D + offs_d
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k in range(K):
+        p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
+            off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+            DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+        c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
+        w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
+        acc += (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
+                + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * C + cc[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _dcn_bwd_kernel(
+    x_ptr, off_ptr, msk_ptr, go_ptr,           # go: grad_out [N, Ho, Wo, C]
+    gin_ptr,                                   # grad_input accumulator like x: fp32, or int64 if FIXED (NEED_IN)
+    goff_ptr, gmsk_ptr,                        # grad_offset and grad_mask, laid out as the offsets and weights
+    scale_ptr,                                 # fp32 [1]: grad_input's fixed-point scale (read if FIXED)
+    H, W, HO, WO, M, C,
+    OFF_ROW, OFF_GROUP, MSK_ROW, MSK_GROUP,
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE,
+    D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
+    NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr, FIXED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per point k: grad_mask = Σ_d go·s_k, grad_offset = SCALE·w_k·Σ_d go·∂s_k/∂(x, y) (zero where the point does
+    not count), grad_input += go·w_k·(corner weight) at each corner read. Grid: (M tiles, G)."""
+    pid = tl.program_id(0)
+    g = tl.program_id(1)
+    m_ok, offs_m, oh, ow, n_pix, off_row, msk_row = _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW,
+                                                          MSK_GROUP, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    cc = g * D + offs_d
+    go = tl.load(go_ptr + offs_m.to(tl.int64)[:, None] * C + cc[None, :], mask=m_ok[:, None] & d_ok[None, :],
+                 other=0.0).to(tl.float32)
+    if FIXED:
+        fixed_scale = tl.load(scale_ptr)
+    else:
+        fixed_scale = 1.0  # unused
+    for k in range(K):
+        p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
+            off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+            DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+        if NEED_OFF or NEED_MSK:
+            c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
+            c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+            if NEED_MSK:
+                w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
+                s = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                gm = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
+                tl.store(gmsk_ptr + msk_row + k, gm.to(gmsk_ptr.dtype.element_ty), mask=m_ok)
+            if NEED_OFF:
+                # ∂s/∂y = (1-lx)(c10 - c00) + lx(c11 - c01); ∂s/∂x = (1-ly)(c01 - c00) + ly(c11 - c10)
+                sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+                sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                f = SCALE * mk
+                gdt = goff_ptr.dtype.element_ty
+                tl.store(goff_ptr + off_row + 2 * k, tl.where(inside, f * sx, 0.0).to(gdt), mask=m_ok)
+                tl.store(goff_ptr + off_row + 2 * k + 1, tl.where(inside, f * sy, 0.0).to(gdt), mask=m_ok)
+        if NEED_IN:
+            w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
+            ptrs = gin_ptr + p00[:, None] + cc[None, :]
+            row = W * C
+            dm = d_ok[None, :]
+            scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
+            scatter_add(ptrs + C, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
+            scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
+            scatter_add(ptrs + row + C, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+
+
+# --- launchers -----------------------------------------------------------------------------------------
+
+
+def _args(input: Tensor, geo: DcnGeometry, strides: Sequence[int]) -> tuple:
+    n, h, w, c = input.shape
+    return (h, w, geo.out_h, geo.out_w, n * geo.out_h * geo.out_w, c, *strides, *geo.stride, *geo.pad, *geo.dilation,
+            geo.offset_scale)
+
+
+def _meta(geo: DcnGeometry) -> dict:
+    block_m, block_d = _blocks(geo.group_channels)
+    return dict(D=geo.group_channels, KH=geo.kernel[0], KW=geo.kernel[1], K=geo.points,
+                REMOVE_CENTER=geo.remove_center, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4)
+
+
+def _grid(geo: DcnGeometry, meta: dict) -> tuple:
+    return (triton.cdiv(geo.batch * geo.out_h * geo.out_w, meta["BLOCK_M"]), geo.group)
+
+
+def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry) -> Tensor:
+    x = input.contiguous()
+    out = torch.empty(geo.batch, geo.out_h, geo.out_w, geo.channels, dtype=input.dtype, device=input.device)
+    meta = _meta(geo)
+    _dcn_fwd_kernel[_grid(geo, meta)](x, off, msk, out, *_args(x, geo, strides), **meta)
+    return out
+
+
+def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry,
+              goff: Optional[Tensor], gmsk: Optional[Tensor], need_in: bool) -> Optional[Tensor]:
+    """Runs the backward kernel, writing goff and gmsk (laid out as off and msk) where given; returns grad_input."""
+    x = input.contiguous()
+    go = grad_out.contiguous()
+    fixed = need_in and torch.are_deterministic_algorithms_enabled()
+    gin = None
+    scales = None
+    if need_in:
+        gin = torch.zeros(x.shape, dtype=torch.int64 if fixed else torch.float32, device=x.device)
+        if fixed:  # a contribution is go · weight · (bilinear weight <= 1); Ho·Wo·K of them reach one element
+            scales = scales_for(max_abs(go) * max_abs(msk) * (geo.out_h * geo.out_w * geo.points))
+    meta = _meta(geo)
+    _dcn_bwd_kernel[_grid(geo, meta)](
+        x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
+        gmsk if gmsk is not None else msk, scales[0] if fixed else off, *_args(x, geo, strides),
+        NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed, **meta)
+    if gin is None:
+        return None
+    if fixed:
+        return (gin.double() * scales[1].double()).to(input.dtype)
+    return gin.to(input.dtype)
+
+
+def _v3_strides(geo: DcnGeometry) -> tuple:
+    k, g = geo.points, geo.group
+    return (g * k * 2, 2 * k, g * k, k)
+
+
+def dcn_forward(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry) -> Tensor:
+    """DCNv3: out [N, Ho, Wo, C] in input's dtype."""
+    return _forward(input, offset.contiguous(), mask.contiguous(), _v3_strides(geo), geo)
+
+
+def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry,
+                 needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """DCNv3: gradients (input, offset, mask); None where needs says so."""
+    need_in, need_off, need_mask = needs
+    off, msk = offset.contiguous(), mask.contiguous()
+    goff = torch.empty_like(off) if need_off else None
+    gmsk = torch.empty_like(msk) if need_mask else None
+    gin = _backward(grad_out, input, off, msk, _v3_strides(geo), geo, goff, gmsk, need_in)
+    return gin, goff, gmsk
+
+
+def _v4_operands(offset_mask: Tensor, geo: DcnGeometry):
+    om = offset_mask.contiguous()
+    k, p = geo.points, om.shape[-1]
+    return om, om[..., 2 * k:], (p, 3 * k, p, 3 * k)
+
+
+def dcnv4_forward(input: Tensor, offset_mask: Tensor, geo: DcnGeometry) -> Tensor:
+    """DCNv4: out [N, Ho, Wo, C], reading offset_mask in place."""
+    om, msk, strides = _v4_operands(offset_mask, geo)
+    return _forward(input, om, msk, strides, geo)
+
+
+def dcnv4_backward(grad_out: Tensor, input: Tensor, offset_mask: Tensor, geo: DcnGeometry,
+                   needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """DCNv4: gradients (input, offset_mask), offset_mask's padding channels zero."""
+    need_in, need_om = needs
+    om, msk, strides = _v4_operands(offset_mask, geo)
+    gom = torch.zeros_like(om) if need_om else None
+    gin = _backward(grad_out, input, om, msk, strides, geo, gom, gom[..., 2 * geo.points:] if need_om else None,
+                    need_in)
+    return gin, gom
