@@ -94,7 +94,10 @@ def _trace(name, dtype, needs=None, tracing_mode="fake", keep_whole=False):
     opaque = [str(nd.target) for nd in gm.graph.nodes if "deformconv" in str(nd.target)]
     traced = [nd.meta["val"] for nd in gm.graph.output_node().args[0]]
     promised = run(*present)  # fake tensors outside any tracing: the ops' fake implementations
-    layouts = lambda ts: [[str(list(t.shape)), str(list(t.stride())), str(t.dtype), str(t.device)] for t in ts]  # noqa: E731
+
+    def layouts(ts):
+        return [[str(list(t.shape)), str(list(t.stride())), str(t.dtype), str(t.device)] for t in ts]
+
     return dict(launched=launched, stores=stores, opaque=opaque, traced=layouts(traced), promised=layouts(promised))
 
 

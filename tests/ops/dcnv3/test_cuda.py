@@ -57,7 +57,8 @@ def test_dcnv4_against_the_reference(dtype):
     gout = torch.randn(*mask.shape[:3], x.shape[3], device="cuda", dtype=torch.float64)
     res = {}
     for backend in ("triton", "reference"):
-        cast = [t.to(dtype).to(torch.float64 if backend == "reference" else dtype).requires_grad_(True) for t in (x, om)]
+        cast = [t.to(dtype).to(torch.float64 if backend == "reference" else dtype).requires_grad_(True)
+                for t in (x, om)]
         out = deformconv.dcnv4(*cast, *params, 256, rc, backend=backend)
         res[backend] = [out, *torch.autograd.grad(out, cast, gout.to(out.dtype))]
     for what, a, b in zip(("output", "grad_input", "grad_offset_mask"), res["triton"], res["reference"]):

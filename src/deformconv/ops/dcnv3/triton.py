@@ -48,7 +48,7 @@ def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, 
     """Point k of every position: its corners (point_corners), its aggregation weight (zero where it does not
     count) and its offsets' addresses."""
     t = k
-    if REMOVE_CENTER:  # the centre tap, number c = (KH·KW - 1) / 2 of an odd square kernel, skipped: k // c is 1 past it
+    if REMOVE_CENTER:  # the centre, tap c = (KH·KW - 1) / 2 of an odd square kernel, skipped: k // c is 1 past it
         t = k + k // ((KH * KW - 1) // 2)
     i = t // KH  # along the width (outer)
     j = t - i * KH
