@@ -1,4 +1,5 @@
-"""deformconv: deformable convolution (DCNv1 offsets, DCNv2 modulation; InternImage's DCNv3 and DCNv4) for PyTorch.
+"""deformconv: deformable convolution (DCNv1 offsets, DCNv2 modulation; InternImage's DCNv3 and DCNv4) and
+multi-scale deformable attention for PyTorch.
 
 A drop-in for ``torchvision.ops.deform_conv2d`` registered as one ``torch.library`` op
 (``torch.ops.deformconv.deform_conv2d``), with a plain-PyTorch reference backend and fused Triton kernels.
@@ -8,6 +9,7 @@ from .backends import not_supported_reasons, select_backend
 from .dcnv import (DCNv3Function, DCNv4Function, dcnv3, dcnv3_to_dcnv4, dcnv3_to_deform_conv2d, dcnv4,
                    dcnv4_to_dcnv3)
 from .dcnv_modules import DCNv3, DCNv4
+from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn
 from .functional import deform_conv2d, deform_conv2d_script
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 from .surgery import make_deformable, resnet_stages
@@ -29,6 +31,9 @@ __all__ = [
     "dcnv3_to_dcnv4",
     "dcnv4_to_dcnv3",
     "dcnv3_to_deform_conv2d",
+    "ms_deform_attn",
+    "MultiScaleDeformableAttention",
+    "MSDeformAttn",
     "make_deformable",
     "resnet_stages",
     "not_supported_reasons",

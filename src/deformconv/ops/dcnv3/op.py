@@ -180,23 +180,27 @@ dcnv4_op.register_autograd(_backward_v4, setup_context=_setup_v4)
 
 # --- autocast: the ops run in the autocast dtype, as deform_conv2d's (library.py) ------------------------
 
+_LIBS: list = []  # the autocast registrations live as long as their Library objects
 
-def _register_autocast() -> None:
+
+def register_autocast(names, keep=()) -> None:
+    """The autocast rule of deformconv ops `names`: every floating input but float64 cast to the autocast dtype, except
+    the arguments at the indices in keep."""
     from ...library import autocast_inputs
 
     lib = torch.library.Library("deformconv", "FRAGMENT")
-    for name in ("dcnv3", "dcnv4"):
+    for name in names:
         op = getattr(torch.ops.deformconv, name).default
         for device_type in ("cuda", "cpu"):
             key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
 
             def kernel(_keyset, *args, op=op, device_type=device_type, key=key):
                 with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.__members__[key])):
-                    return op(*autocast_inputs(args, device_type))
+                    cast = autocast_inputs(args, device_type)
+                    return op(*(a if i in keep else c for i, (a, c) in enumerate(zip(args, cast))))
 
             lib.impl(name, kernel, key, with_keyset=True)
     _LIBS.append(lib)
 
 
-_LIBS: list = []  # the autocast registrations live as long as their Library objects
-_register_autocast()
+register_autocast(["dcnv3", "dcnv4"])

@@ -16,6 +16,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from ..common.gather import bilinear_corners, coordinate_grads, samples, scatter_corners
 from .geometry import DcnGeometry
 
 # elements of one chunk's gathered corners [n, Ho·Wo·K, G, D]
@@ -43,50 +44,19 @@ def sampling_coordinates(offset: Tensor, geo: DcnGeometry, ctype: torch.dtype) -
 
 
 def _corners(input: Tensor, offset: Tensor, geo: DcnGeometry, ctype: torch.dtype):
-    """For a chunk of images: the 4 bilinear corners of every point, each (index [n, Ho·Wo·K, G] into the input's
-    pixels, value [n, Ho, Wo, G, K, D] (zero where the corner is outside or the point does not count), weight,
-    d weight / dy, d weight / dx [n, Ho, Wo, G, K]), and which points count."""
-    n, H, W = input.shape[0], geo.height, geo.width
-    G, D, K = geo.group, geo.group_channels, geo.points
-    value = input.to(ctype).reshape(n, H * W, G, D)
-    y, x = sampling_coordinates(offset, geo, ctype)
-    inside = (y > -1) & (y < H) & (x > -1) & (x < W)  # NaN points too are outside
-    # coordinates of points outside replaced before the fractions: no NaN or Inf reaches a product
-    y = torch.where(inside, y, torch.zeros_like(y))
-    x = torch.where(inside, x, torch.zeros_like(x))
-    y0, x0 = torch.floor(y), torch.floor(x)
-    ly, lx = y - y0, x - x0
-    hy, hx = 1 - ly, 1 - lx
-    y0i, x0i = y0.to(torch.int64), x0.to(torch.int64)
-    corners = []
-    for dy, dx, wgt, dwy, dwx in ((0, 0, hy * hx, -hx, -hy), (0, 1, hy * lx, -lx, hy), (1, 0, ly * hx, hx, -ly),
-                                  (1, 1, ly * lx, lx, ly)):
-        yi, xi = y0i + dy, x0i + dx
-        valid = inside & (yi >= 0) & (yi < H) & (xi >= 0) & (xi < W)
-        # gather's index: [n, Ho·Wo·K, G] (points before groups, so that the group axis meets value's)
-        flat = (yi.clamp(0, H - 1) * W + xi.clamp(0, W - 1)).transpose(-1, -2).reshape(n, -1, G)
-        v = torch.gather(value, 1, flat[..., None].expand(n, flat.shape[1], G, D))
-        v = v.reshape(n, geo.out_h, geo.out_w, K, G, D).transpose(3, 4)  # [n, Ho, Wo, G, K, D]
-        v = torch.where(valid[..., None], v, torch.zeros_like(v))  # an unread pixel's NaN or Inf never spreads
-        corners.append((flat, v, torch.where(valid, wgt, torch.zeros_like(wgt)), dwy, dwx))
-    return corners, inside
-
-
-def _samples(corners) -> Tensor:
-    """The bilinear samples [n, Ho, Wo, G, K, D]."""
-    out = None
-    for _, v, wgt, _, _ in corners:
-        term = wgt[..., None] * v
-        out = term if out is None else out + term
-    return out
+    """bilinear_corners of a chunk of images' points, as [n, Ho·Wo, G, K]."""
+    n = input.shape[0]
+    value = input.to(ctype).reshape(n, geo.height * geo.width, geo.group, geo.group_channels)
+    y, x = (c.reshape(n, -1, geo.group, geo.points) for c in sampling_coordinates(offset, geo, ctype))
+    return bilinear_corners(value, y, x, geo.height, geo.width)
 
 
 def _aggregate(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry, ctype: torch.dtype) -> Tensor:
     """out [n, Ho, Wo, G·D] in ctype for a chunk of images."""
     n = input.shape[0]
     corners, _ = _corners(input, offset, geo, ctype)
-    m = mask.to(ctype).reshape(n, geo.out_h, geo.out_w, geo.group, geo.points)
-    return (_samples(corners) * m[..., None]).sum(4).reshape(n, geo.out_h, geo.out_w, geo.channels)
+    m = mask.to(ctype).reshape(n, -1, geo.group, geo.points)
+    return (samples(corners) * m[..., None]).sum(3).reshape(n, geo.out_h, geo.out_w, geo.channels)
 
 
 def _chunk(geo: DcnGeometry) -> int:
@@ -122,21 +92,17 @@ def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, 
         e = min(N, s + step)
         n = e - s
         corners, inside = _corners(input[s:e], offset[s:e], geo, ctype)
-        go = grad_out[s:e].to(ctype).reshape(n, Ho, Wo, G, 1, D)
-        m = mask[s:e].to(ctype).reshape(n, Ho, Wo, G, K)
+        go = grad_out[s:e].to(ctype).reshape(n, -1, G, 1, D)
+        m = mask[s:e].to(ctype).reshape(n, -1, G, K)
         if need_mask:
-            g_mask[s:e] = (go * _samples(corners)).sum(-1)
+            g_mask[s:e] = (go * samples(corners)).sum(-1).reshape(n, Ho, Wo, G, K)
         if need_off:
-            gy = sum(dwy[..., None] * v for _, v, _, dwy, _ in corners)
-            gx = sum(dwx[..., None] * v for _, v, _, _, dwx in corners)
+            gy, gx = coordinate_grads(corners, go)
             scale = m * geo.offset_scale * inside
-            g_off[s:e, ..., 0] = (go * gx).sum(-1) * scale
-            g_off[s:e, ..., 1] = (go * gy).sum(-1) * scale
+            g_off[s:e, ..., 0] = (gx * scale).reshape(n, Ho, Wo, G, K)
+            g_off[s:e, ..., 1] = (gy * scale).reshape(n, Ho, Wo, G, K)
         if need_in:
-            gm = go * m[..., None]  # [n, Ho, Wo, G, K, D]
-            for flat, _, wgt, _, _ in corners:
-                contrib = (gm * wgt[..., None]).transpose(3, 4).reshape(n, -1, G, D)  # [n, Ho·Wo·K, G, D]
-                g_in[s:e].scatter_add_(1, flat[..., None].expand(n, flat.shape[1], G, D), contrib)
+            scatter_corners(g_in[s:e], corners, go * m[..., None])
     grads = (None if g_in is None else g_in.reshape(input.shape),
              None if g_off is None else g_off.reshape(offset.shape),
              None if g_mask is None else g_mask.reshape(mask.shape))

@@ -1,0 +1,247 @@
+"""Multi-scale deformable attention (Deformable DETR) as a function with the reference's arguments, and the modules
+of mmcv (``MultiScaleDeformableAttention``) and Deformable DETR (``MSDeformAttn``) with their keys. Semantics:
+ops/msda/__init__.py."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .ops.dcnv3.op import BACKENDS
+from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
+
+
+def _shape_error(name: str, want: str, t: Tensor) -> ValueError:
+    return ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
+                   attention_weights: Tensor, im2col_step: int = 64, *, backend: Optional[str] = None) -> Tensor:
+    r"""Multi-scale deformable attention: for each query and head, the attention-weighted sum over levels and points
+    of the head's value map of that level sampled bilinearly at the point (``grid_sample(align_corners=False)``,
+    zeros outside).
+
+    Args:
+        value (Tensor[N, S, M, D]): the levels' value maps flattened and concatenated, S = sum of H_l * W_l.
+        spatial_shapes (Tensor[L, 2]): int64 (H_l, W_l).
+        level_start_index (Tensor[L]): int64, where each level starts in S.
+        sampling_locations (Tensor[N, Lq, M, L, P, 2]): (x, y), 0..1 across the level (outside allowed).
+        attention_weights (Tensor[N, Lq, M, L, P]): (softmaxed over L*P by the caller).
+        im2col_step (int): accepted for compatibility; any value works. Default: 64.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"``; ``None``: automatic. Default: ``None``.
+
+    Returns:
+        Tensor[N, Lq, M * D] in value's dtype. Gradients for value, sampling_locations and attention_weights. Under
+        autocast the locations keep their dtype (fp32), the rest runs in the autocast dtype.
+
+    With CUDA shape tensors their sizes are not read on the host (no sync): a level reaching past S samples nothing.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> shapes = torch.tensor([[8, 10], [4, 5]])
+        >>> starts = torch.tensor([0, 80])
+        >>> value = torch.randn(2, 100, 8, 32)
+        >>> loc, attn = torch.rand(2, 30, 8, 2, 4, 2), torch.rand(2, 30, 8, 2, 4).softmax(-1)
+        >>> deformconv.ms_deform_attn(value, shapes, starts, loc, attn).shape
+        torch.Size([2, 30, 256])
+    """
+    if not isinstance(value, Tensor) or value.dim() != 4 or not value.is_floating_point():
+        raise ValueError(f"value must be a floating-point tensor [N, S, M, D], got "
+                         f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    n, s, m, _ = value.shape
+    for name, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if not isinstance(t, Tensor) or t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an int64 tensor, got "
+                            f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+        if t.device != value.device:
+            raise ValueError(f"{name} must be on value's device {value.device}, got {t.device}")
+    if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2:
+        raise _shape_error("spatial_shapes", "[L, 2]", spatial_shapes)
+    levels = spatial_shapes.shape[0]
+    if tuple(level_start_index.shape) != (levels,):
+        raise _shape_error("level_start_index", f"[{levels}]", level_start_index)
+    if (not isinstance(sampling_locations, Tensor) or sampling_locations.dim() != 6
+            or sampling_locations.shape[0] != n or sampling_locations.shape[2] != m
+            or sampling_locations.shape[3] != levels or sampling_locations.shape[5] != 2):
+        raise _shape_error("sampling_locations", f"[{n}, Lq, {m}, {levels}, P, 2]", sampling_locations)
+    lq, points = sampling_locations.shape[1], sampling_locations.shape[4]
+    if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, levels, points):
+        raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {levels}, {points}]", attention_weights)
+    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if not t.is_floating_point() or t.device != value.device:
+            raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {t.dtype} "
+                            f"on {t.device}")
+    if spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: check the levels
+        sizes = spatial_shapes.prod(1)
+        if bool((spatial_shapes < 0).any()) or int(sizes.sum()) != s:
+            raise ValueError(f"spatial_shapes' levels must cover value's S = {s} pixels, got "
+                             f"{spatial_shapes.tolist()} ({int(sizes.sum())})")
+        if not torch.equal(level_start_index.to(torch.int64), torch.cumsum(sizes, 0) - sizes):
+            raise ValueError(f"level_start_index must be each level's start {(torch.cumsum(sizes, 0) - sizes).tolist()}"
+                             f", got {level_start_index.tolist()}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
+    return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64),
+                                               sampling_locations, attention_weights, backend or "")
+
+
+# --- modules -------------------------------------------------------------------------------------------
+
+
+def _init_sampling(sampling_offsets: nn.Linear, attention_weights: nn.Linear, value_proj: nn.Linear,
+                   output_proj: nn.Linear, heads: int, levels: int, points: int) -> None:
+    """The published initialisation: offsets start on a ring of directions (one per head, point i at i + 1 times
+    it), attention uniform, the projections Xavier-uniform with zero biases."""
+    nn.init.zeros_(sampling_offsets.weight)
+    thetas = torch.arange(heads, dtype=torch.float32) * (2.0 * math.pi / heads)
+    grid = torch.stack([thetas.cos(), thetas.sin()], -1)
+    grid = (grid / grid.abs().max(-1, keepdim=True)[0]).view(heads, 1, 1, 2).repeat(1, levels, points, 1)
+    for i in range(points):
+        grid[:, :, i, :] *= i + 1
+    with torch.no_grad():
+        sampling_offsets.bias.copy_(grid.view(-1))
+    nn.init.zeros_(attention_weights.weight)
+    nn.init.zeros_(attention_weights.bias)
+    for proj in (value_proj, output_proj):
+        nn.init.xavier_uniform_(proj.weight)
+        nn.init.zeros_(proj.bias)
+
+
+def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spatial_shapes: Tensor,
+            level_start_index: Tensor, padding_mask: Optional[Tensor]) -> Tensor:
+    """The attention shared by both modules, batch first: [N, Lq, C] queries, [N, S, C] values -> [N, Lq, C]."""
+    n, lq, _ = query.shape
+    s = value.shape[1]
+    heads, levels, points = module._heads, module._levels, module._points
+    value = module.value_proj(value)
+    if padding_mask is not None:
+        value = value.masked_fill(padding_mask[..., None], 0.0)
+    value = value.view(n, s, heads, -1)
+    offsets = module.sampling_offsets(query).view(n, lq, heads, levels, points, 2)
+    attn = module.attention_weights(query).view(n, lq, heads, levels * points).softmax(-1)
+    attn = attn.view(n, lq, heads, levels, points)
+    if reference_points.shape[-1] == 2:
+        normalizer = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1)
+        loc = reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
+    elif reference_points.shape[-1] == 4:
+        loc = (reference_points[:, :, None, :, None, :2]
+               + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
+    else:
+        raise ValueError(f"reference_points' last dim must be 2 or 4, got {reference_points.shape[-1]}")
+    out = ms_deform_attn(value, spatial_shapes, level_start_index, loc, attn, module.im2col_step)
+    return module.output_proj(out)
+
+
+class MultiScaleDeformableAttention(nn.Module):
+    r"""mmcv's ``MultiScaleDeformableAttention``: its constructor arguments, initialisation, state_dict keys
+    (``sampling_offsets``, ``attention_weights``, ``value_proj``, ``output_proj``) and forward; the attention on
+    :func:`ms_deform_attn` (every device, bf16 and fp16 too).
+
+    Args:
+        embed_dims (int): Default: 256. num_heads (int): Default: 8. num_levels (int): Default: 4.
+        num_points (int): Default: 4. im2col_step (int): Default: 64 (any works).
+        dropout (float): on the output before the residual. Default: 0.1.
+        batch_first (bool): queries and values [N, L, C] (else [L, N, C]). Default: ``False``.
+        norm_cfg, init_cfg: accepted and unused (mmcv's config plumbing). Default: ``None``.
+        value_proj_ratio (float): value_proj's width over embed_dims. Default: 1.0.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> attn = deformconv.MultiScaleDeformableAttention(64, num_heads=4, num_levels=2, batch_first=True)
+        >>> shapes, starts = torch.tensor([[8, 10], [4, 5]]), torch.tensor([0, 80])
+        >>> q, v, ref = torch.randn(2, 30, 64), torch.randn(2, 100, 64), torch.rand(2, 30, 2, 2)
+        >>> attn(q, value=v, reference_points=ref, spatial_shapes=shapes, level_start_index=starts).shape
+        torch.Size([2, 30, 64])
+    """
+
+    def __init__(self, embed_dims: int = 256, num_heads: int = 8, num_levels: int = 4, num_points: int = 4,
+                 im2col_step: int = 64, dropout: float = 0.1, batch_first: bool = False, norm_cfg=None,
+                 init_cfg=None, value_proj_ratio: float = 1.0):
+        super().__init__()
+        if embed_dims % num_heads != 0:
+            raise ValueError(f"embed_dims must be divisible by num_heads, got {embed_dims} and {num_heads}")
+        value_size = int(embed_dims * value_proj_ratio)
+        if value_size % num_heads != 0:
+            raise ValueError(f"embed_dims * value_proj_ratio ({value_size}) must be divisible by num_heads "
+                             f"({num_heads})")
+        self.embed_dims, self.num_heads, self.num_levels, self.num_points = embed_dims, num_heads, num_levels, num_points
+        self._heads, self._levels, self._points = num_heads, num_levels, num_points
+        self.im2col_step, self.batch_first, self.norm_cfg = im2col_step, batch_first, norm_cfg
+        self.dropout = nn.Dropout(dropout)
+        self.sampling_offsets = nn.Linear(embed_dims, num_heads * num_levels * num_points * 2)
+        self.attention_weights = nn.Linear(embed_dims, num_heads * num_levels * num_points)
+        self.value_proj = nn.Linear(embed_dims, value_size)
+        self.output_proj = nn.Linear(value_size, embed_dims)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        _init_sampling(self.sampling_offsets, self.attention_weights, self.value_proj, self.output_proj,
+                       self.num_heads, self.num_levels, self.num_points)
+
+    def forward(self, query: Tensor, key: Optional[Tensor] = None, value: Optional[Tensor] = None,
+                identity: Optional[Tensor] = None, query_pos: Optional[Tensor] = None,
+                key_padding_mask: Optional[Tensor] = None, reference_points: Optional[Tensor] = None,
+                spatial_shapes: Optional[Tensor] = None, level_start_index: Optional[Tensor] = None,
+                **kwargs) -> Tensor:
+        """query [Lq, N, C] ([N, Lq, C] if batch_first); value likewise (default: query); reference_points
+        [N, Lq, L, 2] (points) or [N, Lq, L, 4] (boxes: cx, cy, w, h); key_padding_mask [N, S] (True: padding).
+        Returns dropout(attention) + identity (default: query), in query's layout."""
+        if value is None:
+            value = query
+        if identity is None:
+            identity = query
+        if query_pos is not None:
+            query = query + query_pos
+        if not self.batch_first:
+            query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
+        out = _attend(self, query, value, reference_points, spatial_shapes, level_start_index, key_padding_mask)
+        if not self.batch_first:
+            out = out.permute(1, 0, 2)
+        return self.dropout(out) + identity
+
+
+class MSDeformAttn(nn.Module):
+    r"""Deformable DETR's ``MSDeformAttn``: its constructor arguments, initialisation, state_dict keys and forward;
+    the attention on :func:`ms_deform_attn`.
+
+    Args:
+        d_model (int): Default: 256. n_levels (int): Default: 4. n_heads (int): Default: 8. n_points (int): Default: 4.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> attn = deformconv.MSDeformAttn(64, n_levels=2, n_heads=4)
+        >>> shapes, starts = torch.tensor([[8, 10], [4, 5]]), torch.tensor([0, 80])
+        >>> q, x, ref = torch.randn(2, 30, 64), torch.randn(2, 100, 64), torch.rand(2, 30, 2, 2)
+        >>> attn(q, ref, x, shapes, starts).shape
+        torch.Size([2, 30, 64])
+    """
+
+    def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4):
+        super().__init__()
+        if d_model % n_heads != 0:
+            raise ValueError(f"d_model must be divisible by n_heads, but got {d_model} and {n_heads}")
+        self.im2col_step = 64
+        self.d_model, self.n_levels, self.n_heads, self.n_points = d_model, n_levels, n_heads, n_points
+        self._heads, self._levels, self._points = n_heads, n_levels, n_points
+        self.sampling_offsets = nn.Linear(d_model, n_heads * n_levels * n_points * 2)
+        self.attention_weights = nn.Linear(d_model, n_heads * n_levels * n_points)
+        self.value_proj = nn.Linear(d_model, d_model)
+        self.output_proj = nn.Linear(d_model, d_model)
+        self._reset_parameters()
+
+    def _reset_parameters(self) -> None:
+        _init_sampling(self.sampling_offsets, self.attention_weights, self.value_proj, self.output_proj,
+                       self.n_heads, self.n_levels, self.n_points)
+
+    def forward(self, query: Tensor, reference_points: Tensor, input_flatten: Tensor, input_spatial_shapes: Tensor,
+                input_level_start_index: Tensor, input_padding_mask: Optional[Tensor] = None) -> Tensor:
+        """query [N, Lq, C]; reference_points [N, Lq, L, 2] or [N, Lq, L, 4]; input_flatten [N, S, C];
+        input_padding_mask [N, S] (True: padding). Returns [N, Lq, C]."""
+        return _attend(self, query, input_flatten, reference_points, input_spatial_shapes, input_level_start_index,
+                       input_padding_mask)

@@ -1,0 +1,209 @@
+"""Multi-scale deformable attention's Triton kernels, forward and backward (shapes: reference.py).
+
+A program owns BLOCK_Q query rows (r = n·Lq + q) of one head m and all D channels of it (BLOCK_D ≥ D). Per level it
+reads (H_l, W_l, start_l) from the shape tensors on the device (no host read), and per point the location and weight
+once, then 4 corner rows of D contiguous channels of value [N, S, M, D] (pixels M·D elements apart:
+common/sampling.py's point_corners and load_corners). The forward accumulates in fp32. The backward recomputes each
+sample, reduces grad_location and grad_attention over the channels (each written by its one program), and adds
+grad_value into an fp32 buffer by atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..common.fixed_point import max_abs, scales_for
+from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
+
+# --- configs -------------------------------------------------------------------------------------------
+
+TILE_ELEMENTS = 4096  # BLOCK_Q·BLOCK_D of a program: the corner tiles' registers
+
+
+def _blocks(d: int) -> Tuple[int, int]:
+    """(BLOCK_Q, BLOCK_D): all D channels (a power of two at or above D), and queries filling TILE_ELEMENTS, 16 to
+    128."""
+    block_d = triton.next_power_of_2(max(d, 1))
+    return max(16, min(128, TILE_ELEMENTS // block_d)), block_d
+
+
+# --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX):
+    """Level lvl's (H, W) and the element offset of its first pixel in each row's image. A level that does not lie
+    within the S pixels (shapes not checked on the host: reading them there would wait for the GPU) is taken as
+    0 x 0: nothing of it is read."""
+    h = tl.load(shapes_ptr + 2 * lvl)
+    w = tl.load(shapes_ptr + 2 * lvl + 1)
+    start = tl.load(starts_ptr + lvl)
+    ok = (start >= 0) & (h >= 0) & (w >= 0) & (start + h * w <= S)
+    h = tl.where(ok, h, 0)
+    w = tl.where(ok, w, 0)
+    return h, w, (r_img * S + start) * PIX
+
+
+@triton.jit
+def _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok):
+    """Point idx of every row: its corners (point_corners), its weight (zero where it does not count)."""
+    x = tl.load(loc_ptr + 2 * idx, mask=r_ok, other=0.0).to(tl.float32) * w.to(tl.float32) - 0.5
+    y = tl.load(loc_ptr + 2 * idx + 1, mask=r_ok, other=0.0).to(tl.float32) * h.to(tl.float32) - 0.5
+    p00, v00, v01, v10, v11, ly, lx, inside = point_corners(y, x, pix_base, h, w, PIX, r_ok)
+    a = tl.load(attn_ptr + idx, mask=r_ok, other=0.0).to(tl.float32)
+    return p00, v00, v01, v10, v11, ly, lx, inside, tl.where(inside, a, 0.0)
+
+
+@triton.jit
+def _msda_fwd_kernel(
+    value_ptr,    # [N, S, M, D]
+    shapes_ptr,   # int64 [L, 2]: (H_l, W_l)
+    starts_ptr,   # int64 [L]
+    loc_ptr,      # [N, Lq, M, L, P, 2]
+    attn_ptr,     # [N, Lq, M, L, P]
+    out_ptr,      # [N, Lq, M, D]
+    R, LQ, S, M,  # R = N·Lq rows
+    D: tl.constexpr, L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """out[r, m·D + d] = Σ_l Σ_p a · bilinear(value level l, head m, channel d). Grid: (row tiles, M)."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    rows = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    r_ok = rows < R
+    r_img = (rows // LQ).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    PIX = M * D
+    cc = m * D + offs_d
+    acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
+    point_row = (rows.to(tl.int64) * M + m) * (L * P)
+    for lvl in range(L):
+        h, w, pix_base = _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX)
+        for p in range(P):
+            p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, point_row + lvl * P + p, h, w,
+                                                                pix_base, PIX, r_ok)
+            c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
+            w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
+            acc += (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
+                    + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    out = out_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _msda_bwd_kernel(
+    value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr,
+    go_ptr,       # grad_out [N, Lq, M, D]
+    gv_ptr,       # grad_value accumulator like value: fp32, or int64 if FIXED (NEED_V)
+    gloc_ptr,     # grad_location like loc (NEED_LOC)
+    gattn_ptr,    # grad_attention like attn (NEED_ATTN)
+    scale_ptr,    # fp32 [1]: grad_value's fixed-point scale (read if FIXED)
+    R, LQ, S, M,
+    D: tl.constexpr, L: tl.constexpr, P: tl.constexpr,
+    NEED_V: tl.constexpr, NEED_LOC: tl.constexpr, NEED_ATTN: tl.constexpr, FIXED: tl.constexpr,
+    BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Per point: grad_attention = Σ_d go·s, grad_location = a·Σ_d go·∂s/∂(x, y)·(W_l, H_l) (zero where the point
+    does not count), grad_value += go·a·(corner weight) at each corner read. Grid: (row tiles, M)."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    rows = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    r_ok = rows < R
+    r_img = (rows // LQ).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    PIX = M * D
+    cc = m * D + offs_d
+    go = tl.load(go_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :],
+                 mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    if FIXED:
+        fixed_scale = tl.load(scale_ptr)
+    else:
+        fixed_scale = 1.0  # unused
+    point_row = (rows.to(tl.int64) * M + m) * (L * P)
+    for lvl in range(L):
+        h, w, pix_base = _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX)
+        for p in range(P):
+            idx = point_row + lvl * P + p
+            p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
+            if NEED_LOC or NEED_ATTN:
+                c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
+                c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+                if NEED_ATTN:
+                    w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
+                    s = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                    ga = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
+                    tl.store(gattn_ptr + idx, ga.to(gattn_ptr.dtype.element_ty), mask=r_ok)
+                if NEED_LOC:
+                    sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+                    sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+                    gdt = gloc_ptr.dtype.element_ty
+                    tl.store(gloc_ptr + 2 * idx, tl.where(inside, a * sx * w.to(tl.float32), 0.0).to(gdt), mask=r_ok)
+                    tl.store(gloc_ptr + 2 * idx + 1, tl.where(inside, a * sy * h.to(tl.float32), 0.0).to(gdt),
+                             mask=r_ok)
+            if NEED_V:
+                w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
+                ptrs = gv_ptr + p00[:, None] + cc[None, :]
+                row = w * PIX
+                dm = d_ok[None, :]
+                scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
+                scatter_add(ptrs + PIX, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
+                scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
+                scatter_add(ptrs + row + PIX, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+
+
+# --- launchers -----------------------------------------------------------------------------------------
+
+
+def _setup(value: Tensor, sampling_locations: Tensor):
+    n, s, m, d = value.shape
+    _, lq, _, levels, points, _ = sampling_locations.shape
+    block_q, block_d = _blocks(d)
+    grid = (triton.cdiv(n * lq, block_q), m)
+    meta = dict(D=d, L=levels, P=points, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=4)
+    return grid, (n * lq, lq, s, m), meta
+
+
+def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                           sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
+    """out [N, Lq, M·D] in value's dtype."""
+    n, _, m, d = value.shape
+    lq = sampling_locations.shape[1]
+    out = torch.empty(n, lq, m * d, dtype=value.dtype, device=value.device)
+    if out.numel() == 0:
+        return out
+    grid, sizes, meta = _setup(value, sampling_locations)
+    _msda_fwd_kernel[grid](value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
+                           sampling_locations.contiguous(), attention_weights.contiguous(), out, *sizes, **meta)
+    return out
+
+
+def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                            sampling_locations: Tensor, attention_weights: Tensor, needs: Sequence[bool]
+                            ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients (value, sampling_locations, attention_weights); None where needs says so."""
+    need_v, need_loc, need_attn = needs
+    v, loc, attn = value.contiguous(), sampling_locations.contiguous(), attention_weights.contiguous()
+    go = grad_out.contiguous()
+    fixed = need_v and torch.are_deterministic_algorithms_enabled()
+    gv = torch.zeros(v.shape, dtype=torch.int64 if fixed else torch.float32, device=v.device) if need_v else None
+    gloc = torch.zeros_like(loc) if need_loc else None
+    gattn = torch.zeros_like(attn) if need_attn else None
+    scales = None
+    if fixed:  # a contribution is go · a · (bilinear weight <= 1); Lq·P of them reach one element of a level
+        scales = scales_for(max_abs(go) * max_abs(attn) * (loc.shape[1] * loc.shape[4]))
+    if go.numel() and v.numel():
+        grid, sizes, meta = _setup(v, loc)
+        _msda_bwd_kernel[grid](
+            v, spatial_shapes.contiguous(), level_start_index.contiguous(), loc, attn, go,
+            gv if gv is not None else v, gloc if gloc is not None else loc, gattn if gattn is not None else attn,
+            scales[0] if fixed else attn, *sizes, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed,
+            **meta)
+    if gv is not None:
+        gv = (gv.double() * scales[1].double()).to(value.dtype) if fixed else gv.to(value.dtype)
+    return gv, gloc, gattn

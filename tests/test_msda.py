@@ -1,0 +1,171 @@
+"""Multi-scale deformable attention (deformconv.ms_deform_attn, its op and modules) against an independent naive loop
+implementation in float64: locations outside [0, 1], levels of very different sizes, one level, D not a power of
+two, empty queries; the Triton kernels under the interpreter; the registrations; the modules' keys and definition."""
+
+import pytest
+import torch
+
+import deformconv
+from _naive_msda import naive_ms_deform_attn
+from conftest import assert_close, requires_interpreter
+
+# (N, Lq, M, D, levels [(H, W)], P)
+CASES = {
+    "4-levels": (2, 7, 2, 5, [(9, 11), (5, 6), (3, 3), (1, 2)], 3),
+    "one-level": (1, 5, 3, 4, [(6, 7)], 4),
+    "very-different-sizes": (1, 4, 1, 3, [(23, 31), (1, 1)], 2),
+    "d16-heads4": (2, 3, 4, 16, [(5, 4), (3, 2)], 2),
+}
+
+
+def _case(name, seed=0):
+    n, lq, m, d, levels, p = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    shapes = torch.tensor(levels, dtype=torch.int64)
+    sizes = shapes.prod(1)
+    starts = torch.cumsum(sizes, 0) - sizes
+    value = torch.randn(n, int(sizes.sum()), m, d, generator=gen, dtype=torch.float64)
+    # locations from -0.3 to 1.3: some points outside every level
+    loc = torch.rand(n, lq, m, len(levels), p, 2, generator=gen, dtype=torch.float64) * 1.6 - 0.3
+    attn = torch.rand(n, lq, m, len(levels), p, generator=gen, dtype=torch.float64)
+    return value, shapes, starts, loc, attn
+
+
+def _grads(fn, value, shapes, starts, loc, attn, gout, dtype=torch.float64, backend=None):
+    leaves = [t.to(dtype).requires_grad_(True) for t in (value, loc, attn)]
+    out = fn(leaves[0], shapes, starts, leaves[1], leaves[2], backend)
+    return [out, *torch.autograd.grad(out, leaves, gout.to(out.dtype))]
+
+
+def _ours(v, s, st, loc, a, backend):
+    return deformconv.ms_deform_attn(v, s, st, loc, a, backend=backend)
+
+
+def _naive(v, s, st, loc, a, backend):
+    return naive_ms_deform_attn(v, s, st, loc, a)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_matches_the_naive_loops(name):
+    value, shapes, starts, loc, attn = _case(name)
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, backend="reference")
+    naive = _grads(_naive, value, shapes, starts, loc, attn, gout)
+    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, naive):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+def test_gradcheck():
+    value, shapes, starts, loc, attn = _case("one-level")
+    leaves = [t.requires_grad_(True) for t in (value, loc, attn)]
+    assert torch.autograd.gradcheck(lambda v, lo, a: deformconv.ms_deform_attn(v, shapes, starts, lo, a), leaves)
+
+
+def test_empty_queries_and_batch():
+    value, shapes, starts, loc, attn = _case("4-levels")
+    for sl in ((slice(None), slice(0, 0)), (slice(0, 0),)):
+        v = value[sl[0]].requires_grad_(True)
+        out = deformconv.ms_deform_attn(v, shapes, starts, loc[sl], attn[sl])
+        assert out.shape == (*loc[sl].shape[:2], value.shape[2] * value.shape[3])
+        out.sum().backward()
+        assert v.grad.shape == v.shape and not v.grad.any()
+
+
+@requires_interpreter
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+def test_triton_matches_the_reference(name, dtype):
+    value, shapes, starts, loc, attn = _case(name, seed=1)
+    value, loc, attn = (t.to(dtype).double() for t in (value, loc, attn))  # the reference gets the rounded inputs
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, dtype, backend="triton")
+    ref = _grads(_ours, value, shapes, starts, loc, attn, gout, backend="reference")
+    assert ours[0].dtype == dtype
+    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
+        assert_close(a, b, dtype, what)
+
+
+@requires_interpreter
+def test_triton_deterministic_mode_is_reproducible_and_right():
+    value, shapes, starts, loc, attn = _case("4-levels", seed=2)
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_grads(_ours, value, shapes, starts, loc, attn, gout, torch.float32, "triton") for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0][1], runs[1][1])
+    ref = _grads(_ours, value.float().double(), shapes, starts, loc.float().double(), attn.float().double(), gout,
+                 backend="reference")
+    assert_close(runs[0][1], ref[1], torch.float32, "grad_value")
+
+
+def test_registrations_compile_export_and_autocast():
+    value, shapes, starts, loc, attn = (t.float() if t.is_floating_point() else t for t in _case("one-level"))
+    leaves = [t.requires_grad_(True) for t in (value, loc, attn)]
+    torch.library.opcheck(torch.ops.deformconv.ms_deform_attn.default,
+                          (leaves[0], shapes, starts, leaves[1], leaves[2], ""))
+    m = deformconv.MSDeformAttn(12, n_levels=1, n_heads=3, n_points=4).eval()
+    q, x, ref = torch.randn(1, 5, 12), torch.randn(1, 42, 12), torch.rand(1, 5, 1, 2)
+    eager = m(q, ref, x, shapes, starts)
+    torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(q, ref, x, shapes, starts), eager)
+    ep = torch.export.export(m, (q, ref, x, shapes, starts))
+    assert any("deformconv.ms_deform_attn" in str(nd.target) for nd in ep.graph.nodes)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = deformconv.ms_deform_attn(value, shapes, starts, loc, attn)
+    assert out.dtype == torch.bfloat16
+    exact = deformconv.ms_deform_attn(value.bfloat16().double(), shapes, starts, loc.double(), attn.bfloat16().double())
+    assert_close(out, exact, torch.bfloat16, "locations kept in fp32 under autocast")
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda a: dict(a, spatial_shapes=a["spatial_shapes"] + 1), "must cover value's S"),
+    (lambda a: dict(a, level_start_index=a["level_start_index"] + 1), "level_start_index must be"),
+    (lambda a: dict(a, spatial_shapes=a["spatial_shapes"].float()), "spatial_shapes must be an int64"),
+    (lambda a: dict(a, sampling_locations=a["sampling_locations"][..., :1]), "sampling_locations must have shape"),
+    (lambda a: dict(a, attention_weights=a["attention_weights"][:, :, :1]), "attention_weights must have shape"),
+    (lambda a: dict(a, value=a["value"][0]), "value must be"),
+    (lambda a: dict(a, backend="cuda"), "backend must be"),
+])
+def test_argument_errors_name_the_argument(change, match):
+    value, shapes, starts, loc, attn = _case("4-levels")
+    args = dict(value=value, spatial_shapes=shapes, level_start_index=starts, sampling_locations=loc,
+                attention_weights=attn)
+    with pytest.raises((ValueError, TypeError), match=match):
+        deformconv.ms_deform_attn(**change(args))
+
+
+def test_module_keys_init_and_definition():
+    """mmcv's and Deformable DETR's keys and published initialisation; the forward is the definition written out
+    with the naive loops (points and boxes as reference points, a padding mask, mmcv's [L, N, C] layout)."""
+    torch.manual_seed(0)
+    mm = deformconv.MultiScaleDeformableAttention(16, num_heads=4, num_levels=2, num_points=3, dropout=0.0).double()
+    dd = deformconv.MSDeformAttn(16, n_levels=2, n_heads=4, n_points=3).double()
+    keys = ["attention_weights.bias", "attention_weights.weight", "output_proj.bias", "output_proj.weight",
+            "sampling_offsets.bias", "sampling_offsets.weight", "value_proj.bias", "value_proj.weight"]
+    assert sorted(mm.state_dict()) == keys and sorted(dd.state_dict()) == keys
+    bias = mm.sampling_offsets.bias.view(4, 2, 3, 2)
+    torch.testing.assert_close(bias[1, 0, 2], torch.tensor([0.0, 3.0], dtype=torch.float64), atol=1e-6, rtol=0)
+    assert not mm.attention_weights.weight.any() and not mm.sampling_offsets.weight.any()
+    dd.load_state_dict(mm.state_dict())
+    for p in dd.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    mm.load_state_dict(dd.state_dict())
+    shapes, starts = torch.tensor([[5, 6], [2, 3]]), torch.tensor([0, 30])
+    q, x = torch.randn(2, 7, 16, dtype=torch.float64), torch.randn(2, 36, 16, dtype=torch.float64)
+    pad = torch.zeros(2, 36, dtype=torch.bool)
+    pad[1, -5:] = True
+    for ref in (torch.rand(2, 7, 2, 2, dtype=torch.float64), torch.rand(2, 7, 2, 4, dtype=torch.float64)):
+        v = dd.value_proj(x).masked_fill(pad[..., None], 0).view(2, 36, 4, 4)
+        off = dd.sampling_offsets(q).view(2, 7, 4, 2, 3, 2)
+        a = dd.attention_weights(q).view(2, 7, 4, 6).softmax(-1).view(2, 7, 4, 2, 3)
+        if ref.shape[-1] == 2:
+            normalizer = torch.tensor([[6.0, 5.0], [3.0, 2.0]], dtype=torch.float64)  # (W, H) of each level
+            loc = ref[:, :, None, :, None] + off / normalizer[:, None]
+        else:
+            loc = ref[:, :, None, :, None, :2] + off / 3 * ref[:, :, None, :, None, 2:] * 0.5
+        expected = dd.output_proj(naive_ms_deform_attn(v, shapes, starts, loc, a))
+        torch.testing.assert_close(dd(q, ref, x, shapes, starts, pad), expected)
+        got = mm(q.transpose(0, 1), value=x.transpose(0, 1), reference_points=ref, spatial_shapes=shapes,
+                 level_start_index=starts, key_padding_mask=pad)
+        torch.testing.assert_close(got, expected.transpose(0, 1) + q.transpose(0, 1))
