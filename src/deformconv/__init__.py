@@ -10,6 +10,7 @@ from .dcnv import (DCNv3Function, DCNv4Function, dcnv3, dcnv3_to_dcnv4, dcnv3_to
                    dcnv4_to_dcnv3)
 from .dcnv_modules import DCNv3, DCNv4
 from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn
+from .roi_pool import DeformRoIPool, DeformRoIPoolPack, ModulatedDeformRoIPoolPack, deform_roi_pool
 from .functional import deform_conv2d, deform_conv2d_script
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 from .surgery import make_deformable, resnet_stages
@@ -34,6 +35,10 @@ __all__ = [
     "ms_deform_attn",
     "MultiScaleDeformableAttention",
     "MSDeformAttn",
+    "deform_roi_pool",
+    "DeformRoIPool",
+    "DeformRoIPoolPack",
+    "ModulatedDeformRoIPoolPack",
     "make_deformable",
     "resnet_stages",
     "not_supported_reasons",

@@ -1,0 +1,73 @@
+"""The ``deformconv::deform_roi_pool`` operator: torch.library registration of the forward and backward ops, their
+fake implementations, the autograd formula and the autocast rule (the RoIs keep their dtype: box coordinates in 16
+bits would be off by up to a pixel). ``backend`` is a name or "" (automatic, as DCNv3's)."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..dcnv3.op import register_autocast, select
+from . import reference
+
+
+def _impl(input: Tensor, backend: str):
+    if select(input.device, input.dtype, backend) == "reference":
+        return reference
+    from . import triton as kernels
+
+    return kernels
+
+
+@torch.library.custom_op("deformconv::deform_roi_pool", mutates_args=())
+def deform_roi_pool_op(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size: List[int],
+                       spatial_scale: float, sampling_ratio: int, gamma: float, backend: str) -> Tensor:
+    return _impl(input, backend).deform_roi_pool_forward(input, rois, offset, output_size, spatial_scale,
+                                                         sampling_ratio, gamma)
+
+
+@deform_roi_pool_op.register_fake
+def _(input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend):
+    return input.new_empty(rois.shape[0], input.shape[1], *output_size)
+
+
+@torch.library.custom_op("deformconv::deform_roi_pool_backward", mutates_args=())
+def deform_roi_pool_backward_op(grad_out: Tensor, input: Tensor, rois: Tensor, offset: Optional[Tensor],
+                                output_size: List[int], spatial_scale: float, sampling_ratio: int, gamma: float,
+                                needs: List[bool], backend: str) -> Tuple[Tensor, Tensor]:
+    """Gradients (input, offset); one not needed (or without an offset) comes back empty."""
+    g_in, g_off = _impl(input, backend).deform_roi_pool_backward(grad_out, input, rois, offset, output_size,
+                                                                 spatial_scale, sampling_ratio, gamma, *needs)
+    return (g_in if g_in is not None else input.new_empty(0), g_off if g_off is not None else input.new_empty(0))
+
+
+@deform_roi_pool_backward_op.register_fake
+def _(grad_out, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, needs, backend):
+    fmt = torch.channels_last if input.is_contiguous(memory_format=torch.channels_last) and not input.is_contiguous() \
+        else torch.contiguous_format
+    g_in = torch.empty_like(input, memory_format=fmt) if needs[0] else input.new_empty(0)
+    g_off = torch.empty_like(offset, memory_format=torch.contiguous_format) if needs[1] and offset is not None \
+        else input.new_empty(0)
+    return g_in, g_off
+
+
+def _setup(ctx, inputs, output):
+    input, rois, offset, *params = inputs
+    ctx.save_for_backward(input, rois, offset)
+    ctx.params = params
+
+
+def _backward(ctx, grad_out):
+    input, rois, offset = ctx.saved_tensors
+    need_in, need_off = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[2]) and offset is not None
+    if not (need_in or need_off):
+        return (None,) * 8
+    *params, backend = ctx.params
+    g_in, g_off = deform_roi_pool_backward_op(grad_out, input, rois, offset, *params, [need_in, need_off], backend)
+    return (g_in if need_in else None, None, g_off if need_off else None) + (None,) * 5
+
+
+deform_roi_pool_op.register_autograd(_backward, setup_context=_setup)
+register_autocast(["deform_roi_pool"], keep=(1,))

@@ -1,0 +1,168 @@
+"""Deformable RoI pooling in plain PyTorch: any device, any float dtype (float64 for the oracle), vectorised over
+RoIs, bins, samples and channels, in chunks of RoIs; the backward written out (the derivative of the forward as
+defined: a clamped coordinate's is zero).
+
+    input    [N, C, H, W]
+    rois     [R, 5]            (batch index, x1, y1, x2, y2), image coordinates
+    offset   [R, 2, ph, pw]    optional: (x, y) shift of each bin, in units of gamma · the RoI's size
+    out      [R, C, ph, pw]
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+GATHER_BUDGET = 1 << 24  # elements of one chunk's gathered corners
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def roi_geometry(rois: Tensor, offset: Optional[Tensor], output_size, spatial_scale: float, sampling_ratio: int,
+                 gamma: float, ctype: torch.dtype):
+    """Per RoI: (start_x, start_y) [R, ph, pw] of each bin (offset applied), (bin_w, bin_h) [R], (grid_h, grid_w)
+    samples per bin [R] (int64), (roi_w, roi_h) [R]."""
+    ph, pw = output_size
+    r = rois.to(ctype)
+    x1, y1 = r[:, 1] * spatial_scale - 0.5, r[:, 2] * spatial_scale - 0.5
+    roi_w = r[:, 3] * spatial_scale - 0.5 - x1
+    roi_h = r[:, 4] * spatial_scale - 0.5 - y1
+    bin_w, bin_h = roi_w / pw, roi_h / ph
+    if sampling_ratio > 0:
+        grid_h = torch.full_like(roi_h, sampling_ratio, dtype=torch.int64)
+        grid_w = torch.full_like(roi_w, sampling_ratio, dtype=torch.int64)
+    else:
+        # ceil(roi size / bins) in fp32 as the CUDA kernels compute it; a RoI of no (or negative) size samples nothing
+        grid_h = torch.ceil((roi_h / ph).float()).clamp(min=0).to(torch.int64)
+        grid_w = torch.ceil((roi_w / pw).float()).clamp(min=0).to(torch.int64)
+    start_x = x1[:, None, None] + torch.arange(pw, dtype=ctype, device=r.device) * bin_w[:, None, None]
+    start_y = y1[:, None, None] + torch.arange(ph, dtype=ctype, device=r.device)[:, None] * bin_h[:, None, None]
+    start_x = start_x.expand(-1, ph, pw)
+    start_y = start_y.expand(-1, ph, pw)
+    if offset is not None:
+        off = offset.to(ctype)
+        start_x = start_x + gamma * roi_w[:, None, None] * off[:, 0]
+        start_y = start_y + gamma * roi_h[:, None, None] * off[:, 1]
+    return start_x, start_y, bin_w, bin_h, grid_h, grid_w, roi_w, roi_h
+
+
+def _axis(coord: Tensor, size: int):
+    """RoIAlign's bilinear along one axis: (low, high) int64 indices, (weight of low, weight of high), d weights /
+    d coord (zero where the coordinate is clamped) and whether the sample counts (inside [-1, size])."""
+    inside = (coord >= -1) & (coord <= size)
+    c = torch.where(inside, coord, torch.zeros_like(coord)).clamp(min=0)
+    low = torch.floor(c).to(torch.int64)
+    at_end = low >= size - 1
+    low = torch.where(at_end, torch.full_like(low, size - 1), low)
+    high = torch.where(at_end, low, low + 1)
+    c = torch.where(at_end, low.to(c.dtype), c)
+    frac = c - low.to(c.dtype)
+    free = inside & (coord > 0) & ~at_end  # where the value moves with the coordinate
+    slope = free.to(c.dtype)
+    return low, high, 1 - frac, frac, -slope, slope, inside
+
+
+def _samples(rois, geom, H, W, ctype):
+    """Sample coordinates (y, x) [R, ph, pw, gh, gw] of every bin, padded to the largest grid, and which exist."""
+    start_x, start_y, bin_w, bin_h, grid_h, grid_w, _, _ = geom
+    gh = max(int(grid_h.max()) if grid_h.numel() else 0, 1)
+    gw = max(int(grid_w.max()) if grid_w.numel() else 0, 1)
+    dev = rois.device
+    iy = torch.arange(gh, device=dev, dtype=ctype)
+    ix = torch.arange(gw, device=dev, dtype=ctype)
+    gh_r, gw_r = grid_h.to(ctype).clamp(min=1), grid_w.to(ctype).clamp(min=1)
+    y = start_y[..., None, None] + ((iy + 0.5) * (bin_h / gh_r)[:, None])[:, None, None, :, None]
+    x = start_x[..., None, None] + ((ix + 0.5) * (bin_w / gw_r)[:, None])[:, None, None, None, :]
+    exists = ((torch.arange(gh, device=dev) < grid_h[:, None])[:, None, None, :, None]
+              & (torch.arange(gw, device=dev) < grid_w[:, None])[:, None, None, None, :])
+    return y, x, exists
+
+
+def _corners(input_rows: Tensor, batch: Tensor, y: Tensor, x: Tensor, exists: Tensor, H: int, W: int):
+    """The 4 corners of every sample: (row index into input_rows [N·H·W, C], weight, d weight / dy, d weight / dx);
+    a sample that does not exist or lies outside has weight 0."""
+    yl, yh, wyl, wyh, dyl, dyh, in_y = _axis(y, H)
+    xl, xh, wxl, wxh, dxl, dxh, in_x = _axis(x, W)
+    live = (exists & in_y & in_x).to(y.dtype)
+    base = (batch * (H * W))[:, None, None, None, None]
+    out = []
+    for yi, wy, dy in ((yl, wyl, dyl), (yh, wyh, dyh)):
+        for xi, wx, dx in ((xl, wxl, dxl), (xh, wxh, dxh)):
+            out.append((base + yi * W + xi, wy * wx * live, dy * wx * live, wy * dx * live))
+    return out
+
+
+def _counts(geom) -> Tensor:
+    grid_h, grid_w = geom[4], geom[5]
+    return (grid_h * grid_w).clamp(min=1)
+
+
+def _chunk(C: int, bins: int, samples: int) -> int:
+    return max(1, GATHER_BUDGET // max(C * bins * samples * 4, 1))
+
+
+def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size, spatial_scale: float,
+                            sampling_ratio: int, gamma: float) -> Tensor:
+    """out [R, C, ph, pw] in input's dtype."""
+    ctype = compute_dtype(input.dtype)
+    N, C, H, W = input.shape
+    R, (ph, pw) = rois.shape[0], output_size
+    out = torch.zeros(R, C, ph, pw, dtype=ctype, device=input.device)
+    if R == 0 or N * H * W == 0:
+        return out.to(input.dtype)
+    rows = input.to(ctype).permute(0, 2, 3, 1).reshape(N * H * W, C)
+    geom = roi_geometry(rois, offset, output_size, spatial_scale, sampling_ratio, gamma, ctype)
+    y, x, exists = _samples(rois, geom, H, W, ctype)
+    count = _counts(geom).to(ctype)
+    batch = rois[:, 0].to(torch.int64)
+    step = _chunk(C, ph * pw, y.shape[-1] * y.shape[-2])
+    for s in range(0, R, step):
+        e = min(R, s + step)
+        acc = 0
+        for idx, wgt, _, _ in _corners(rows, batch[s:e], y[s:e], x[s:e], exists[s:e], H, W):
+            v = rows[idx.reshape(-1)].reshape(*idx.shape, C)  # [r, ph, pw, gh, gw, C]
+            acc = acc + (wgt[..., None] * v).sum((3, 4))
+        out[s:e] = (acc / count[s:e, None, None, None]).permute(0, 3, 1, 2)
+    return out.to(input.dtype)
+
+
+def deform_roi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size,
+                             spatial_scale: float, sampling_ratio: int, gamma: float, need_input: bool,
+                             need_offset: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Gradients (input, offset); None where not needed (or without an offset)."""
+    ctype = compute_dtype(input.dtype)
+    N, C, H, W = input.shape
+    R, (ph, pw) = rois.shape[0], output_size
+    need_offset = need_offset and offset is not None
+    g_rows = torch.zeros(N * H * W, C, dtype=ctype, device=input.device) if need_input else None
+    g_off = torch.zeros(R, 2, ph, pw, dtype=ctype, device=input.device) if need_offset else None
+    if R and N * H * W and (need_input or need_offset):
+        rows = input.to(ctype).permute(0, 2, 3, 1).reshape(N * H * W, C)
+        geom = roi_geometry(rois, offset, output_size, spatial_scale, sampling_ratio, gamma, ctype)
+        y, x, exists = _samples(rois, geom, H, W, ctype)
+        roi_w, roi_h = geom[6], geom[7]
+        g = grad_out.to(ctype).permute(0, 2, 3, 1) / _counts(geom).to(ctype)[:, None, None, None]  # [R, ph, pw, C]
+        batch = rois[:, 0].to(torch.int64)
+        step = _chunk(C, ph * pw, y.shape[-1] * y.shape[-2])
+        for s in range(0, R, step):
+            e = min(R, s + step)
+            gs = g[s:e, :, :, None, None, :]  # [r, ph, pw, 1, 1, C]
+            gx = gy = 0
+            for idx, wgt, dwy, dwx in _corners(rows, batch[s:e], y[s:e], x[s:e], exists[s:e], H, W):
+                if need_input:
+                    contrib = (wgt[..., None] * gs).reshape(-1, C)
+                    g_rows.index_add_(0, idx.reshape(-1), contrib)
+                if need_offset:
+                    v = rows[idx.reshape(-1)].reshape(*idx.shape, C)
+                    gv = (gs * v).sum(-1)  # [r, ph, pw, gh, gw]
+                    gx = gx + (dwx * gv).sum((3, 4))
+                    gy = gy + (dwy * gv).sum((3, 4))
+            if need_offset:
+                g_off[s:e, 0] = gamma * roi_w[s:e, None, None] * gx
+                g_off[s:e, 1] = gamma * roi_h[s:e, None, None] * gy
+    g_in = None if g_rows is None else g_rows.reshape(N, H, W, C).permute(0, 3, 1, 2).to(input.dtype)
+    return g_in, (None if g_off is None else g_off.to(offset.dtype))

@@ -1,0 +1,237 @@
+"""Deformable RoI pooling's Triton kernels, forward and backward (shapes and rule: reference.py, __init__.py).
+
+The input is read in place through its strides (NCHW or channels_last). A forward program owns one RoI and BLOCK_C
+channels: all its ph·pw bins at once ([BLOCK_BINS, BLOCK_C] tiles), looping over the RoI's own sample grid (adaptive
+sampling: runtime loop bounds). A backward program owns one RoI and loops over the channel blocks, so each bin's
+offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer (int64
+fixed point in deterministic mode: common/fixed_point.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..common.fixed_point import max_abs, scales_for
+from ..common.sampling import scatter_add
+
+# --- configs -------------------------------------------------------------------------------------------
+
+TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_C of a program
+
+
+def _blocks(bins: int, channels: int) -> Tuple[int, int]:
+    """(BLOCK_BINS, BLOCK_C): every bin of the RoI, and channels filling TILE_ELEMENTS (at least 8)."""
+    block_bins = triton.next_power_of_2(bins)
+    return block_bins, max(8, min(triton.next_power_of_2(channels), TILE_ELEMENTS // block_bins))
+
+
+# --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA, PH: tl.constexpr, PW: tl.constexpr,
+         SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr):
+    """RoI r: its image, each bin's start (sx, sy) [BLOCK_BINS] (offset applied), the bin size, the sample grid
+    (gh, gw) and the RoI's size."""
+    b = tl.load(rois_ptr + r * 5).to(tl.int64)  # in range: checked on the host (op.py), and bins_live here
+    x1 = tl.load(rois_ptr + r * 5 + 1).to(tl.float32) * SCALE - 0.5
+    y1 = tl.load(rois_ptr + r * 5 + 2).to(tl.float32) * SCALE - 0.5
+    roi_w = tl.load(rois_ptr + r * 5 + 3).to(tl.float32) * SCALE - 0.5 - x1
+    roi_h = tl.load(rois_ptr + r * 5 + 4).to(tl.float32) * SCALE - 0.5 - y1
+    bin_w = roi_w / PW
+    bin_h = roi_h / PH
+    if SAMPLING > 0:
+        gh = SAMPLING
+        gw = SAMPLING
+    else:  # ceil(roi size / bins); a RoI of no (or negative) size samples nothing
+        gh = tl.maximum(tl.ceil(roi_h / PH), 0.0).to(tl.int32)
+        gw = tl.maximum(tl.ceil(roi_w / PW), 0.0).to(tl.int32)
+    i = bins // PW
+    j = bins - i * PW
+    sx = x1 + j.to(tl.float32) * bin_w
+    sy = y1 + i.to(tl.float32) * bin_h
+    if HAS_OFFSET:
+        ox = tl.load(off_ptr + r * 2 * PH * PW + bins, mask=bin_ok, other=0.0).to(tl.float32)
+        oy = tl.load(off_ptr + r * 2 * PH * PW + PH * PW + bins, mask=bin_ok, other=0.0).to(tl.float32)
+        sx += GAMMA * roi_w * ox
+        sy += GAMMA * roi_h * oy
+    # an image index out of range (not checkable on the host without waiting for the GPU) samples nothing
+    live = bin_ok & (b >= 0) & (b < N)
+    return tl.where((b >= 0) & (b < N), b, 0), live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h
+
+
+@triton.jit
+def _axis(c, size):
+    """RoIAlign's bilinear along one axis: low and high indices, their weights, the slope of the high weight (zero
+    where the coordinate is clamped), and whether the sample counts (inside [-1, size])."""
+    inside = (c >= -1.0) & (c <= size)
+    c0 = tl.maximum(tl.where(inside, c, 0.0), 0.0)
+    low = tl.floor(c0).to(tl.int32)
+    at_end = low >= size - 1
+    low = tl.where(at_end, size - 1, low)
+    high = tl.where(at_end, low, low + 1)
+    c0 = tl.where(at_end, low.to(tl.float32), c0)
+    frac = c0 - low.to(tl.float32)
+    slope = (inside & (c > 0.0) & ~at_end).to(tl.float32)
+    return low, high, 1.0 - frac, frac, slope, inside
+
+
+@triton.jit
+def _roi_pool_fwd_kernel(
+    x_ptr,        # input [N, C, H, W], strides below (any layout)
+    rois_ptr,     # [R, 5]
+    off_ptr,      # [R, 2, PH, PW] (read if HAS_OFFSET)
+    out_ptr,      # [R, C, PH, PW]
+    N, C, H, W, sn, sc, sh, sw, SCALE, GAMMA,
+    PH: tl.constexpr, PW: tl.constexpr, SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
+    r = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    bins = tl.arange(0, BLOCK_BINS)
+    bin_ok = bins < PH * PW
+    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, _, _ = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA, PH,
+                                                         PW, SAMPLING, HAS_OFFSET)
+    base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
+    acc = tl.zeros((BLOCK_BINS, BLOCK_C), dtype=tl.float32)
+    for iy in range(gh):
+        y = sy + (iy + 0.5) * bin_h / gh
+        yl, yh, wyl, wyh, _, in_y = _axis(y, H)
+        for ix in range(gw):
+            x = sx + (ix + 0.5) * bin_w / gw
+            xl, xh, wxl, wxh, _, in_x = _axis(x, W)
+            live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
+            v00 = tl.load(base + (yl * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+            v01 = tl.load(base + (yl * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+            v10 = tl.load(base + (yh * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+            v11 = tl.load(base + (yh * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+            acc += (wyl * wxl)[:, None] * v00 + (wyl * wxh)[:, None] * v01 + (wyh * wxl)[:, None] * v10 \
+                + (wyh * wxh)[:, None] * v11
+    count = tl.maximum(gh * gw, 1).to(tl.float32)
+    out = out_ptr + r.to(tl.int64) * C * PH * PW + (offs_c.to(tl.int64) * (PH * PW))[None, :] + bins[:, None]
+    tl.store(out, (acc / count).to(out_ptr.dtype.element_ty), mask=bin_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _roi_pool_bwd_kernel(
+    x_ptr, rois_ptr, off_ptr,
+    go_ptr,       # grad_out [R, C, PH, PW] contiguous
+    gin_ptr,      # grad_input accumulator [N, C, H, W] contiguous: fp32, or int64 if FIXED (NEED_IN)
+    goff_ptr,     # grad_offset [R, 2, PH, PW] (NEED_OFF)
+    scale_ptr,    # fp32 [1]: grad_input's fixed-point scale (read if FIXED)
+    N, C, H, W, sn, sc, sh, sw, SCALE, GAMMA,
+    PH: tl.constexpr, PW: tl.constexpr, SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, FIXED: tl.constexpr,
+    BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """Per sample: grad_input += g / count · (corner weight) at its 4 corners; grad_offset of a bin = gamma · (roi
+    width, height) · Σ_c Σ_samples g / count · ∂sample/∂(x, y). Grid: (R,)."""
+    r = tl.program_id(0)
+    bins = tl.arange(0, BLOCK_BINS)
+    bin_ok = bins < PH * PW
+    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA,
+                                                                 PH, PW, SAMPLING, HAS_OFFSET)
+    count = tl.maximum(gh * gw, 1).to(tl.float32)
+    if FIXED:
+        fixed_scale = tl.load(scale_ptr)
+    else:
+        fixed_scale = 1.0  # unused
+    gx = tl.zeros((BLOCK_BINS,), dtype=tl.float32)
+    gy = tl.zeros((BLOCK_BINS,), dtype=tl.float32)
+    HW = H * W
+    for c0 in range(0, C, BLOCK_C):
+        offs_c = c0 + tl.arange(0, BLOCK_C)
+        c_ok = offs_c < C
+        g = tl.load(go_ptr + r.to(tl.int64) * C * PH * PW + (offs_c.to(tl.int64) * (PH * PW))[None, :] + bins[:, None],
+                    mask=bin_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32) / count
+        base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
+        gbase = gin_ptr + (b * C + offs_c.to(tl.int64))[None, :] * HW
+        for iy in range(gh):
+            y = sy + (iy + 0.5) * bin_h / gh
+            yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
+            for ix in range(gw):
+                x = sx + (ix + 0.5) * bin_w / gw
+                xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
+                live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
+                if NEED_IN:
+                    scatter_add(gbase + (yl * W + xl)[:, None], g * (wyl * wxl)[:, None], live, fixed_scale, FIXED)
+                    scatter_add(gbase + (yl * W + xh)[:, None], g * (wyl * wxh)[:, None], live, fixed_scale, FIXED)
+                    scatter_add(gbase + (yh * W + xl)[:, None], g * (wyh * wxl)[:, None], live, fixed_scale, FIXED)
+                    scatter_add(gbase + (yh * W + xh)[:, None], g * (wyh * wxh)[:, None], live, fixed_scale, FIXED)
+                if NEED_OFF:
+                    v00 = tl.load(base + (yl * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+                    v01 = tl.load(base + (yl * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+                    v10 = tl.load(base + (yh * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+                    v11 = tl.load(base + (yh * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+                    dx = wyl[:, None] * (v01 - v00) + wyh[:, None] * (v11 - v10)
+                    dy = wxl[:, None] * (v10 - v00) + wxh[:, None] * (v11 - v01)
+                    gx += slx * tl.sum(g * dx, axis=1)
+                    gy += sly * tl.sum(g * dy, axis=1)
+    if NEED_OFF:
+        goff = goff_ptr + r * 2 * PH * PW + bins
+        tl.store(goff, (GAMMA * roi_w * gx).to(goff_ptr.dtype.element_ty), mask=bin_ok)
+        tl.store(goff + PH * PW, (GAMMA * roi_h * gy).to(goff_ptr.dtype.element_ty), mask=bin_ok)
+
+
+# --- launchers -----------------------------------------------------------------------------------------
+
+
+def _meta(output_size, C: int, sampling_ratio: int, has_offset: bool) -> dict:
+    ph, pw = output_size
+    block_bins, block_c = _blocks(ph * pw, C)
+    return dict(PH=ph, PW=pw, SAMPLING=max(int(sampling_ratio), 0), HAS_OFFSET=has_offset, BLOCK_BINS=block_bins,
+                BLOCK_C=block_c, num_warps=4)
+
+
+def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size, spatial_scale: float,
+                            sampling_ratio: int, gamma: float) -> Tensor:
+    """out [R, C, ph, pw] in input's dtype."""
+    N, C, H, W = input.shape
+    R = rois.shape[0]
+    out = torch.empty(R, C, *output_size, dtype=input.dtype, device=input.device)
+    if out.numel() == 0:
+        return out
+    if N * H * W == 0:
+        return out.zero_()
+    meta = _meta(output_size, C, sampling_ratio, offset is not None)
+    off = offset.contiguous() if offset is not None else rois
+    _roi_pool_fwd_kernel[(R, triton.cdiv(C, meta["BLOCK_C"]))](
+        input, rois.contiguous(), off, out, N, C, H, W, *input.stride(), float(spatial_scale), float(gamma), **meta)
+    return out
+
+
+def deform_roi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size,
+                             spatial_scale: float, sampling_ratio: int, gamma: float, need_input: bool,
+                             need_offset: bool) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """Gradients (input, offset); None where not needed (or without an offset)."""
+    N, C, H, W = input.shape
+    R = rois.shape[0]
+    need_offset = need_offset and offset is not None
+    fixed = need_input and torch.are_deterministic_algorithms_enabled()
+    gin = torch.zeros(input.shape, dtype=torch.int64 if fixed else torch.float32, device=input.device) \
+        if need_input else None
+    goff = torch.zeros_like(offset, memory_format=torch.contiguous_format) if need_offset else None
+    go = grad_out.contiguous()
+    scales = None
+    if fixed:  # one grad_input element gets at most Σ over RoIs and bins of |g| (a bin's sample weights sum to 1)
+        scales = scales_for(max_abs(go) * (R * output_size[0] * output_size[1]))
+    if R and C and N * H * W and (need_input or need_offset):
+        meta = _meta(output_size, C, sampling_ratio, offset is not None)
+        off = offset.contiguous() if offset is not None else rois
+        _roi_pool_bwd_kernel[(R,)](
+            input, rois.contiguous(), off, go, gin if gin is not None else go, goff if goff is not None else go,
+            scales[0] if fixed else go, N, C, H, W, *input.stride(), float(spatial_scale), float(gamma),
+            NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed, **meta)
+    g_in = None
+    if gin is not None:
+        g_in = (gin.double() * scales[1].double()) if fixed else gin
+        g_in = g_in.to(input.dtype).contiguous(memory_format=torch.channels_last if input.is_contiguous(
+            memory_format=torch.channels_last) and not input.is_contiguous() else torch.contiguous_format)
+    return g_in, goff

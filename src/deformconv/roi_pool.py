@@ -1,0 +1,184 @@
+"""Deformable RoI pooling: mmcv's ``deform_roi_pool`` and its modules (``DeformRoIPool``, ``DeformRoIPoolPack``,
+``ModulatedDeformRoIPoolPack``) with their arguments and state_dict keys. Semantics: ops/roi_pool/__init__.py."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.utils import _pair
+
+from .ops.dcnv3.op import BACKENDS
+from .ops.roi_pool import op as _op  # noqa: F401  (registers torch.ops.deformconv.deform_roi_pool)
+
+
+def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size: Union[int, Tuple[int, int]],
+                    spatial_scale: float = 1.0, sampling_ratio: int = 0, gamma: float = 0.1, *,
+                    backend: Optional[str] = None) -> Tensor:
+    r"""Deformable RoI pooling (mmcv's ``deform_roi_pool``): aligned RoIAlign whose bins move by learned offsets.
+
+    Each RoI is scaled by ``spatial_scale`` and shifted by -0.5 (no rounding) and cut into ``output_size`` bins;
+    bin (i, j) starts ``gamma * (roi_width, roi_height) * offset[:, (0, 1), i, j]`` further, and is the mean of
+    ``sampling_ratio**2`` bilinear samples (``0``: ``ceil(roi size / bins)`` along each axis). Without an offset
+    this is ``torchvision.ops.roi_align(..., aligned=True)``.
+
+    Args:
+        input (Tensor[N, C, H, W]): NCHW or channels_last.
+        rois (Tensor[R, 5]): (batch index, x1, y1, x2, y2) in image coordinates; floating point.
+        offset (Tensor[R, 2, ph, pw], optional): (x, y) shift of each bin. ``None``: plain aligned RoIAlign.
+        output_size (int or Tuple[int, int]): (ph, pw).
+        spatial_scale (float): input pixels per image unit. Default: 1.0.
+        sampling_ratio (int): samples per bin along each axis; 0: adaptive. Default: 0.
+        gamma (float): scale of the offsets. Default: 0.1.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"``; ``None``: automatic. Default: ``None``.
+
+    Returns:
+        Tensor[R, C, ph, pw] in input's dtype. Gradients for input and offset (the derivative of the forward as
+        defined; mmcv's CUDA kernel drops part of it where a sample is clamped to the image's last row or column).
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> x = torch.randn(2, 16, 25, 38)
+        >>> rois = torch.tensor([[0, 10.0, 12.0, 90.0, 70.0], [1, 0.0, 0.0, 150.0, 100.0]])
+        >>> deformconv.deform_roi_pool(x, rois, None, 7, spatial_scale=0.25).shape
+        torch.Size([2, 16, 7, 7])
+    """
+    if not isinstance(input, Tensor) or input.dim() != 4 or not input.is_floating_point():
+        raise ValueError(f"input must be a floating-point tensor [N, C, H, W], got "
+                         f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}")
+    if not isinstance(rois, Tensor) or rois.dim() != 2 or rois.shape[1] != 5:
+        raise ValueError(f"rois must be a tensor [R, 5] of (batch index, x1, y1, x2, y2), got "
+                         f"{tuple(rois.shape) if isinstance(rois, Tensor) else type(rois).__name__}")
+    if not rois.is_floating_point():
+        raise TypeError(f"rois must be floating point (box coordinates), got {rois.dtype}")
+    if rois.device != input.device:
+        raise ValueError(f"rois must be on input's device {input.device}, got {rois.device}")
+    ph, pw = _pair(output_size)
+    if not all(isinstance(v, int) and v > 0 for v in (ph, pw)):
+        raise ValueError(f"output_size must be positive ints, got {output_size!r}")
+    if not isinstance(sampling_ratio, int) or sampling_ratio < 0:
+        raise ValueError(f"sampling_ratio must be an int >= 0, got {sampling_ratio!r}")
+    if offset is not None:
+        if not isinstance(offset, Tensor) or tuple(offset.shape) != (rois.shape[0], 2, ph, pw):
+            raise ValueError(f"offset must have shape [{rois.shape[0]}, 2, {ph}, {pw}], got "
+                             f"{tuple(offset.shape) if isinstance(offset, Tensor) else type(offset).__name__}")
+        if offset.device != input.device or not offset.is_floating_point():
+            raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
+                            f"{offset.dtype} on {offset.device}")
+    if rois.shape[0] and not torch.compiler.is_compiling() and not (
+            rois.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # RoIs come from a step that has waited for the GPU already (proposals): reading their batch indices is cheap
+        batch = rois[:, 0]
+        if bool(((batch < 0) | (batch >= input.shape[0]) | (batch != batch.floor())).any()):
+            raise ValueError(f"rois[:, 0] must be batch indices in [0, {input.shape[0]}), got values from "
+                             f"{float(batch.min())} to {float(batch.max())}")
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
+    return torch.ops.deformconv.deform_roi_pool(input, rois, offset, [ph, pw], float(spatial_scale),
+                                                int(sampling_ratio), float(gamma), backend or "")
+
+
+class DeformRoIPool(nn.Module):
+    r"""mmcv's ``DeformRoIPool``: :func:`deform_roi_pool` with fixed settings; ``forward(input, rois, offset=None)``.
+
+    Args:
+        output_size (int or Tuple[int, int]). spatial_scale (float): Default: 1.0.
+        sampling_ratio (int): Default: 0. gamma (float): Default: 0.1.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> pool = deformconv.DeformRoIPool(7, spatial_scale=0.25)
+        >>> pool(torch.randn(1, 8, 20, 20), torch.tensor([[0, 4.0, 4.0, 60.0, 50.0]])).shape
+        torch.Size([1, 8, 7, 7])
+    """
+
+    def __init__(self, output_size, spatial_scale: float = 1.0, sampling_ratio: int = 0, gamma: float = 0.1):
+        super().__init__()
+        self.output_size = _pair(output_size)
+        self.spatial_scale = float(spatial_scale)
+        self.sampling_ratio = int(sampling_ratio)
+        self.gamma = float(gamma)
+
+    def forward(self, input: Tensor, rois: Tensor, offset: Optional[Tensor] = None) -> Tensor:
+        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
+                               self.gamma)
+
+
+def _fc_stack(in_features: int, hidden: int, out_features: int, layers: int) -> nn.Sequential:
+    """Linear/ReLU layers (``layers`` Linear in all), the last one zero-initialised."""
+    mods, width = [], in_features
+    for _ in range(layers - 1):
+        mods += [nn.Linear(width, hidden), nn.ReLU(inplace=True)]
+        width = hidden
+    mods.append(nn.Linear(width, out_features))
+    nn.init.zeros_(mods[-1].weight)
+    nn.init.zeros_(mods[-1].bias)
+    return nn.Sequential(*mods)
+
+
+class DeformRoIPoolPack(DeformRoIPool):
+    r"""mmcv's ``DeformRoIPoolPack``: pools once, predicts each bin's offset with a 3-layer FC stack (``offset_fc``,
+    last layer zero-initialised: training starts from RoIAlign), pools again with it; ``forward(input, rois)``.
+
+    Args:
+        output_size, spatial_scale, sampling_ratio, gamma: as :class:`DeformRoIPool`.
+        output_channels (int): the input's channels C.
+        deform_fc_channels (int): the FC stack's width. Default: 1024.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> pool = deformconv.DeformRoIPoolPack(7, output_channels=8, deform_fc_channels=64, spatial_scale=0.25)
+        >>> pool(torch.randn(1, 8, 20, 20), torch.tensor([[0, 4.0, 4.0, 60.0, 50.0]])).shape
+        torch.Size([1, 8, 7, 7])
+    """
+
+    def __init__(self, output_size, output_channels: int, deform_fc_channels: int = 1024, spatial_scale: float = 1.0,
+                 sampling_ratio: int = 0, gamma: float = 0.1):
+        super().__init__(output_size, spatial_scale, sampling_ratio, gamma)
+        self.output_channels = output_channels
+        self.deform_fc_channels = deform_fc_channels
+        bins = self.output_size[0] * self.output_size[1]
+        self.offset_fc = _fc_stack(bins * output_channels, deform_fc_channels, bins * 2, 3)
+
+    def _pooled(self, input: Tensor, rois: Tensor) -> Tensor:
+        if input.shape[1] != self.output_channels:
+            raise ValueError(f"input must have output_channels = {self.output_channels} channels, got {input.shape[1]}")
+        return deform_roi_pool(input, rois, None, self.output_size, self.spatial_scale, self.sampling_ratio, self.gamma)
+
+    def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
+        x = self._pooled(input, rois)
+        offset = self.offset_fc(x.reshape(rois.shape[0], -1)).view(rois.shape[0], 2, *self.output_size)
+        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
+                               self.gamma)
+
+
+class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
+    r"""mmcv's ``ModulatedDeformRoIPoolPack``: :class:`DeformRoIPoolPack` times a per-bin sigmoid mask from a 2-layer
+    FC stack (``mask_fc``, last Linear zero-initialised: a mask of 0.5 at the start).
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> pool = deformconv.ModulatedDeformRoIPoolPack(7, output_channels=8, deform_fc_channels=64)
+        >>> pool(torch.randn(1, 8, 20, 20), torch.tensor([[0, 1.0, 1.0, 15.0, 12.0]])).shape
+        torch.Size([1, 8, 7, 7])
+    """
+
+    def __init__(self, output_size, output_channels: int, deform_fc_channels: int = 1024, spatial_scale: float = 1.0,
+                 sampling_ratio: int = 0, gamma: float = 0.1):
+        super().__init__(output_size, output_channels, deform_fc_channels, spatial_scale, sampling_ratio, gamma)
+        bins = self.output_size[0] * self.output_size[1]
+        self.mask_fc = _fc_stack(bins * output_channels, deform_fc_channels, bins, 2)
+        self.mask_fc.append(nn.Sigmoid())
+
+    def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
+        x = self._pooled(input, rois)
+        flat = x.reshape(rois.shape[0], -1)
+        offset = self.offset_fc(flat).view(rois.shape[0], 2, *self.output_size)
+        mask = self.mask_fc(flat).view(rois.shape[0], 1, *self.output_size)
+        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
+                               self.gamma) * mask

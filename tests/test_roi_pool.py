@@ -1,0 +1,180 @@
+"""Deformable RoI pooling (deformconv.deform_roi_pool, its op and modules) against an independent naive loop
+implementation in float64 and against torchvision.ops.roi_align(aligned=True) without offsets: RoIs partly or wholly
+outside the image, degenerate and reversed RoIs, fixed and adaptive sampling, empty RoI lists, argument errors; the
+Triton kernels under the interpreter; the registrations; mmcv's modules."""
+
+import pytest
+import torch
+import torchvision
+
+import deformconv
+from _naive_roi_pool import naive_deform_roi_pool
+from conftest import assert_close, requires_interpreter
+
+ROIS = [
+    [0, 1.0, 1.0, 30.0, 20.0],     # inside
+    [1, -5.0, 2.0, 10.0, 40.0],    # partly outside (left, bottom)
+    [0, 3.0, 3.0, 3.0, 3.0],       # degenerate: no size
+    [1, 25.0, 25.0, 60.0, 60.0],   # wholly outside (the image is 22 x 18 in image units)
+    [0, 0.5, 0.7, 8.2, 16.9],      # fractional
+    [1, 12.0, 9.0, 4.0, 2.0],      # reversed: negative size
+]
+
+
+def _case(seed=0, n=2, c=5, h=9, w=11, out=(3, 4)):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=gen, dtype=torch.float64)
+    rois = torch.tensor(ROIS, dtype=torch.float64)
+    offset = torch.randn(len(ROIS), 2, *out, generator=gen, dtype=torch.float64) * 0.6
+    return x, rois, offset
+
+
+def _grads(fn, x, rois, offset, gout):
+    leaves = [x.detach().clone().requires_grad_(True)]
+    if offset is not None:
+        leaves.append(offset.detach().clone().requires_grad_(True))
+    out = fn(leaves[0], rois, leaves[1] if offset is not None else None)
+    return [out, *torch.autograd.grad(out, leaves, gout.to(out.dtype))]
+
+
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+@pytest.mark.parametrize("with_offset", [True, False], ids=["offset", "no-offset"])
+def test_reference_matches_the_naive_loops(sampling_ratio, with_offset):
+    x, rois, offset = _case()
+    offset = offset if with_offset else None
+    gout = torch.randn(len(ROIS), 5, 3, 4, dtype=torch.float64)
+    args = ((3, 4), 0.5, sampling_ratio, 0.15)
+    ours = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, o, *args, backend="reference"), x, rois, offset,
+                  gout)
+    naive = _grads(lambda x, r, o: naive_deform_roi_pool(x, r, o, *args), x, rois, offset, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, naive):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_interpreter)])
+@pytest.mark.parametrize("sampling_ratio", [0, 1, 3])
+def test_without_offset_is_torchvisions_aligned_roi_align(backend, sampling_ratio):
+    x, rois, _ = _case(seed=1)
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    gout = torch.randn(len(ROIS), 5, 3, 4, dtype=torch.float64)
+    ours = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, None, (3, 4), 0.5, sampling_ratio, backend=backend),
+                  x.to(dtype), rois.to(dtype), None, gout)
+    theirs = _grads(lambda x, r, o: torchvision.ops.roi_align(x, r, (3, 4), 0.5, sampling_ratio, aligned=True),
+                    x, rois, None, gout)
+    for what, a, b in zip(("output", "grad_input"), ours, theirs):
+        assert_close(a, b, dtype, what)
+
+
+def test_gradcheck():
+    x, rois, offset = _case(seed=2, c=2, h=6, w=7, out=(2, 2))
+    rois = rois[[0, 1, 4]]
+    leaves = [x.requires_grad_(True), offset[[0, 1, 4]].requires_grad_(True)]
+    assert torch.autograd.gradcheck(lambda x, o: deformconv.deform_roi_pool(x, rois, o, 2, 0.5, 2), leaves)
+
+
+def test_empty_roi_list_and_empty_input():
+    x, rois, _ = _case()
+    x = x.requires_grad_(True)
+    out = deformconv.deform_roi_pool(x, rois[:0], None, 7)
+    assert out.shape == (0, 5, 7, 7)
+    out.sum().backward()
+    assert x.grad is not None and not x.grad.any()
+    empty = deformconv.deform_roi_pool(torch.zeros(2, 5, 0, 4, dtype=torch.float64), rois[:2], None, 2)
+    assert empty.shape == (2, 5, 2, 2) and not empty.any()
+
+
+@pytest.mark.parametrize("rois,match", [
+    (torch.tensor([[2.0, 0, 0, 4, 4]]), "batch indices in \\[0, 2\\)"),
+    (torch.tensor([[-1.0, 0, 0, 4, 4]]), "batch indices"),
+    (torch.tensor([[0.5, 0, 0, 4, 4]]), "batch indices"),
+    (torch.tensor([[0, 0, 0, 4, 4]]), "rois must be floating point"),
+    (torch.tensor([[0.0, 0, 0, 4]]), "rois must be a tensor \\[R, 5\\]"),
+])
+def test_argument_errors_name_the_argument(rois, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        deformconv.deform_roi_pool(torch.randn(2, 3, 8, 8), rois, None, 2)
+
+
+def test_offset_and_output_size_errors():
+    x, rois = torch.randn(2, 3, 8, 8), torch.tensor([[0.0, 0, 0, 4, 4]])
+    with pytest.raises(ValueError, match="offset must have shape \\[1, 2, 2, 3\\]"):
+        deformconv.deform_roi_pool(x, rois, torch.zeros(1, 2, 3, 2), (2, 3))
+    with pytest.raises(ValueError, match="output_size"):
+        deformconv.deform_roi_pool(x, rois, None, 0)
+    with pytest.raises(ValueError, match="sampling_ratio"):
+        deformconv.deform_roi_pool(x, rois, None, 2, sampling_ratio=-1)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+@pytest.mark.parametrize("sampling_ratio", [0, 2])
+def test_triton_matches_the_reference(dtype, channels_last, sampling_ratio):
+    x, rois, offset = _case(seed=3, c=12)
+    x, offset = x.to(dtype).double(), offset.to(dtype).double()  # the reference gets the rounded inputs
+    gout = torch.randn(len(ROIS), 12, 3, 4, dtype=torch.float64)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    args = ((3, 4), 0.5, sampling_ratio, 0.1)
+    ours = _grads(lambda x, r, o: deformconv.deform_roi_pool(x.contiguous(memory_format=fmt), r, o, *args,
+                                                             backend="triton"),
+                  x.to(dtype), rois.float(), offset.to(dtype), gout)  # the RoIs stay fp32, as under autocast
+    ref = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, o, *args, backend="reference"), x, rois.float().double(),
+                 offset, gout)
+    assert ours[0].dtype == dtype
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
+        assert_close(a, b, dtype, what)
+
+
+@requires_interpreter
+def test_triton_deterministic_mode_is_reproducible_and_right():
+    x, rois, offset = _case(seed=4)
+    gout = torch.randn(len(ROIS), 5, 3, 4, dtype=torch.float64)
+    fn = lambda x, r, o: deformconv.deform_roi_pool(x, r, o, (3, 4), 0.5, 0, 0.1, backend="triton")  # noqa: E731
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_grads(fn, x.float(), rois.float(), offset.float(), gout) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0][1], runs[1][1])
+    ref = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, o, (3, 4), 0.5, 0, 0.1, backend="reference"),
+                 x.float().double(), rois, offset.float().double(), gout)
+    assert_close(runs[0][1], ref[1], torch.float32, "grad_input")
+
+
+def test_registrations_compile_export_and_autocast():
+    x, rois, offset = (t.float() for t in _case(seed=5))
+    leaves = [x.requires_grad_(True), offset.requires_grad_(True)]
+    torch.library.opcheck(torch.ops.deformconv.deform_roi_pool.default,
+                          (leaves[0], rois, leaves[1], [3, 4], 0.5, 0, 0.1, ""))
+    pool = deformconv.DeformRoIPoolPack((3, 4), output_channels=5, deform_fc_channels=16, spatial_scale=0.5).eval()
+    eager = pool(x, rois)
+    torch.testing.assert_close(torch.compile(pool, fullgraph=True, backend="aot_eager")(x, rois), eager)
+    ep = torch.export.export(pool, (x, rois))
+    assert sum("deformconv.deform_roi_pool" in str(nd.target) for nd in ep.graph.nodes) == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = deformconv.deform_roi_pool(x, rois, offset, (3, 4), 0.5)
+    assert out.dtype == torch.bfloat16
+    exact = deformconv.deform_roi_pool(x.bfloat16().double(), rois.double(), offset.bfloat16().double(), (3, 4), 0.5)
+    assert_close(out, exact, torch.bfloat16, "rois kept in fp32 under autocast")
+
+
+def test_modules_keys_and_definition():
+    """mmcv's keys (offset_fc.0/2/4, mask_fc.0/2), zero-initialised last layers (RoIAlign at the start, a mask of
+    0.5), and the forward written out: pool, FC stack, pool with the offsets (times the mask)."""
+    torch.manual_seed(0)
+    m = deformconv.ModulatedDeformRoIPoolPack((3, 4), output_channels=5, deform_fc_channels=16,
+                                              spatial_scale=0.5).double()
+    assert sorted(m.state_dict()) == ["mask_fc.0.bias", "mask_fc.0.weight", "mask_fc.2.bias", "mask_fc.2.weight",
+                                      "offset_fc.0.bias", "offset_fc.0.weight", "offset_fc.2.bias",
+                                      "offset_fc.2.weight", "offset_fc.4.bias", "offset_fc.4.weight"]
+    x, rois, _ = _case(seed=6)
+    plain = torchvision.ops.roi_align(x, rois, (3, 4), 0.5, 0, aligned=True)
+    torch.testing.assert_close(m(x, rois), plain * 0.5)
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.05)
+    flat = naive_deform_roi_pool(x, rois, None, (3, 4), 0.5).reshape(len(ROIS), -1)
+    offset = m.offset_fc(flat).view(len(ROIS), 2, 3, 4)
+    mask = m.mask_fc(flat).view(len(ROIS), 1, 3, 4)
+    torch.testing.assert_close(m(x, rois), naive_deform_roi_pool(x, rois, offset, (3, 4), 0.5) * mask)
+    with pytest.raises(ValueError, match="output_channels = 5"):
+        m(x[:, :4], rois)
