@@ -61,3 +61,63 @@ def naive_deform_roi_pool(input, rois, offset, output_size, spatial_scale=1.0, s
                 bins.append(acc / count)
         outs.append(torch.stack(bins, -1).reshape(input.shape[1], ph, pw))
     return torch.stack(outs) if outs else input.new_zeros(0, input.shape[1], ph, pw)
+
+
+def _interp(img, y, x):
+    """The Deformable ConvNets code's bilinear: img [H, W]; y, x already clamped to the image; floor and ceil corners."""
+    yf, xf = float(y.detach()), float(x.detach())
+    y1, y2, x1, x2 = math.floor(yf), math.ceil(yf), math.floor(xf), math.ceil(xf)
+    dy, dx = y - y1, x - x1
+    return ((1 - dx) * (1 - dy) * img[y1, x1] + (1 - dx) * dy * img[y2, x1] + dx * (1 - dy) * img[y1, x2]
+            + dx * dy * img[y2, x2])
+
+
+def naive_deform_psroi_pool(input, rois, offset, spatial_scale, pooled_size, output_dim, no_trans, group_size=1,
+                            part_size=None, sample_per_part=4, trans_std=0.0):
+    N, C, H, W = input.shape
+    P, G, S = pooled_size, group_size, sample_per_part
+    part_size = part_size or P
+    classes = 1 if no_trans else offset.shape[1] // 2
+    per_class = output_dim // classes
+    def c_round(v):  # halves away from zero
+        v = float(v)
+        return math.floor(v + 0.5) if v >= 0 else math.ceil(v - 0.5)
+
+    outs = []
+    for r in range(rois.shape[0]):
+        b = int(rois[r, 0])
+        sw = c_round(rois[r, 1]) * spatial_scale - 0.5
+        sh = c_round(rois[r, 2]) * spatial_scale - 0.5
+        rw = max((c_round(rois[r, 3]) + 1) * spatial_scale - 0.5 - sw, 0.1)
+        rh = max((c_round(rois[r, 4]) + 1) * spatial_scale - 0.5 - sh, 0.1)
+        bw, bh = rw / P, rh / P
+        vals = []
+        for o in range(output_dim):
+            k = o // per_class
+            for i in range(P):
+                for j in range(P):
+                    hs, ws = i * bh + sh, j * bw + sw
+                    if not no_trans:
+                        pi, pj = i * part_size // P, j * part_size // P
+                        ws = ws + offset[r, 2 * k, pi, pj] * trans_std * rw
+                        hs = hs + offset[r, 2 * k + 1, pi, pj] * trans_std * rh
+                    gi, gj = min(max(i * G // P, 0), G - 1), min(max(j * G // P, 0), G - 1)
+                    c = (o * G + gi) * G + gj
+                    total, count = input.new_zeros(()), 0
+                    for ih in range(S):
+                        for iw in range(S):
+                            w = ws + iw * bw / S
+                            h = hs + ih * bh / S
+                            wf, hf = float(torch.as_tensor(w).detach()), float(torch.as_tensor(h).detach())
+                            if wf < -0.5 or wf > W - 0.5 or hf < -0.5 or hf > H - 0.5:
+                                continue
+                            if wf < 0 or wf > W - 1:
+                                w = input.new_tensor(min(max(wf, 0.0), W - 1.0))
+                            if hf < 0 or hf > H - 1:
+                                h = input.new_tensor(min(max(hf, 0.0), H - 1.0))
+                            total = total + _interp(input[b, c], h if torch.is_tensor(h) else input.new_tensor(h),
+                                                    w if torch.is_tensor(w) else input.new_tensor(w))
+                            count += 1
+                    vals.append(total / count if count else input.new_zeros(()))
+        outs.append(torch.stack(vals).reshape(output_dim, P, P))
+    return torch.stack(outs) if outs else input.new_zeros(0, output_dim, P, P)

@@ -178,3 +178,72 @@ def test_modules_keys_and_definition():
     torch.testing.assert_close(m(x, rois), naive_deform_roi_pool(x, rois, offset, (3, 4), 0.5) * mask)
     with pytest.raises(ValueError, match="output_channels = 5"):
         m(x[:, :4], rois)
+
+
+# --- the position-sensitive variant ----------------------------------------------------------------------
+
+PS_ROIS = [[0, 1.0, 1.0, 30.0, 20.0], [1, -5.0, 2.5, 10.0, 40.0], [0, 3.0, 3.0, 3.0, 3.0], [1, 0.4, 0.7, 8.5, 16.9],
+           [0, -2.5, 1.5, 2.5, 4.5]]
+
+
+def _ps_case(seed=0, G=2, O=6, P=3, part=2, classes=3):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, O * G * G, 9, 11, generator=gen, dtype=torch.float64)
+    rois = torch.tensor(PS_ROIS, dtype=torch.float64)
+    offset = torch.randn(len(PS_ROIS), 2 * classes, part, part, generator=gen, dtype=torch.float64) * 0.7
+    return x, rois, offset
+
+
+@pytest.mark.parametrize("no_trans", [False, True], ids=["offsets", "no-trans"])
+@pytest.mark.parametrize("G,P,part,S", [(2, 3, 2, 2), (1, 4, 4, 3), (3, 3, 1, 1)])
+def test_psroi_reference_matches_the_naive_loops(no_trans, G, P, part, S):
+    from _naive_roi_pool import naive_deform_psroi_pool
+
+    x, rois, offset = _ps_case(G=G, P=P, part=part)
+    args = (0.5, P, 6, no_trans, G, part, S, 0.2)
+    gout = torch.randn(len(PS_ROIS), 6, P, P, dtype=torch.float64)
+    ours = _grads(lambda x, r, o: deformconv.deform_psroi_pool(x, r, o, *args), x, rois, None if no_trans else offset,
+                  gout)
+    naive = _grads(lambda x, r, o: naive_deform_psroi_pool(x, r, o, *args), x, rois, None if no_trans else offset, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, naive):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+def test_psroi_agrees_with_torchvisions_ps_roi_align_where_they_meet():
+    """Whole-pixel RoIs inside the image, torchvision's moved half a sub-bin back (its samples sit at sub-bin centres,
+    the original's at their starts) and one pixel longer (the original's end is round(x2) + 1), group_size =
+    pooled_size, sampling_ratio = sample_per_part: the same numbers."""
+    P, S, O, scale = 3, 2, 4, 0.5
+    x = torch.randn(2, O * P * P, 12, 13, dtype=torch.float64)
+    rois = torch.tensor([[0, 2.0, 3.0, 14.0, 17.0], [1, 4.0, 1.0, 20.0, 10.0]], dtype=torch.float64)
+    ours = deformconv.deform_psroi_pool(x, rois, None, scale, P, O, True, group_size=P, sample_per_part=S)
+    tv_rois = rois.clone()
+    tv_rois[:, 3:] += 1
+    half_sub = (tv_rois[:, 3:] - tv_rois[:, 1:3]) / (2 * P * S)  # half a sub-bin, in image units
+    tv_rois[:, 1:3] -= half_sub
+    tv_rois[:, 3:] -= half_sub
+    theirs = torchvision.ops.ps_roi_align(x, tv_rois, P, scale, sampling_ratio=S)
+    torch.testing.assert_close(ours, theirs, atol=1e-12, rtol=1e-12)
+
+
+def test_psroi_gradcheck_module_and_errors():
+    x, rois, offset = _ps_case(seed=3, G=1, O=2, P=2, part=2, classes=1)
+    leaves = [x[:, :2].clone().requires_grad_(True), offset.requires_grad_(True)]
+    rois = rois[[0, 1, 3]]
+    leaves[1] = offset[[0, 1, 3]].detach().requires_grad_(True)
+    assert torch.autograd.gradcheck(
+        lambda x, o: deformconv.deform_psroi_pool(x, rois, o, 0.5, 2, 2, False, 1, 2, 2, 0.3), leaves)
+    pool = deformconv.DeformPSRoIPooling(0.5, 2, 2, no_trans=False, part_size=2, sample_per_part=2, trans_std=0.3)
+    torch.testing.assert_close(pool(*leaves[:1], rois, leaves[1]),
+                               deformconv.deform_psroi_pool(leaves[0], rois, leaves[1], 0.5, 2, 2, False, 1, 2, 2, 0.3))
+    with pytest.raises(ValueError, match="output_dim \\* group_size\\*\\*2 = 8"):
+        deformconv.deform_psroi_pool(x[:, :2], rois, None, 0.5, 2, 2, True, group_size=2)
+    with pytest.raises(ValueError, match="offset is required"):
+        deformconv.deform_psroi_pool(x[:, :2], rois, None, 0.5, 2, 2, False)
+    with pytest.raises(ValueError, match="multiple of the offset's classes"):
+        deformconv.deform_psroi_pool(torch.randn(2, 3, 9, 11, dtype=torch.float64), rois,
+                                     torch.zeros(3, 4, 2, 2, dtype=torch.float64), 0.5, 2, 3, False)
+    with pytest.raises(NotImplementedError, match="no Triton kernels"):
+        deformconv.deform_psroi_pool(x[:, :2], rois, None, 0.5, 2, 2, True, backend="triton")
+    torch.library.opcheck(torch.ops.deformconv.deform_psroi_pool.default,
+                          (leaves[0], rois, leaves[1], 0.5, 2, 2, 1, 2, 2, 0.3, ""))

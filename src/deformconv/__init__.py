@@ -10,7 +10,8 @@ from .dcnv import (DCNv3Function, DCNv4Function, dcnv3, dcnv3_to_dcnv4, dcnv3_to
                    dcnv4_to_dcnv3)
 from .dcnv_modules import DCNv3, DCNv4
 from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn
-from .roi_pool import DeformRoIPool, DeformRoIPoolPack, ModulatedDeformRoIPoolPack, deform_roi_pool
+from .roi_pool import (DeformPSRoIPooling, DeformRoIPool, DeformRoIPoolPack, ModulatedDeformRoIPoolPack,
+                       deform_psroi_pool, deform_roi_pool)
 from .functional import deform_conv2d, deform_conv2d_script
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 from .surgery import make_deformable, resnet_stages
@@ -39,6 +40,8 @@ __all__ = [
     "DeformRoIPool",
     "DeformRoIPoolPack",
     "ModulatedDeformRoIPoolPack",
+    "deform_psroi_pool",
+    "DeformPSRoIPooling",
     "make_deformable",
     "resnet_stages",
     "not_supported_reasons",

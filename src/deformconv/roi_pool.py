@@ -1,5 +1,6 @@
 """Deformable RoI pooling: mmcv's ``deform_roi_pool`` and its modules (``DeformRoIPool``, ``DeformRoIPoolPack``,
-``ModulatedDeformRoIPoolPack``) with their arguments and state_dict keys. Semantics: ops/roi_pool/__init__.py."""
+``ModulatedDeformRoIPoolPack``) with their arguments and state_dict keys, and the papers' position-sensitive variant
+(``deform_psroi_pool``, ``DeformPSRoIPooling``). Semantics: ops/roi_pool/__init__.py and ps_reference.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,35 @@ from torch.nn.modules.utils import _pair
 
 from .ops.dcnv3.op import BACKENDS
 from .ops.roi_pool import op as _op  # noqa: F401  (registers torch.ops.deformconv.deform_roi_pool)
+
+
+def _check_input(input) -> None:
+    if not isinstance(input, Tensor) or input.dim() != 4 or not input.is_floating_point():
+        raise ValueError(f"input must be a floating-point tensor [N, C, H, W], got "
+                         f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}")
+
+
+def _check_rois(input: Tensor, rois: Tensor) -> None:
+    if not isinstance(rois, Tensor) or rois.dim() != 2 or rois.shape[1] != 5:
+        raise ValueError(f"rois must be a tensor [R, 5] of (batch index, x1, y1, x2, y2), got "
+                         f"{tuple(rois.shape) if isinstance(rois, Tensor) else type(rois).__name__}")
+    if not rois.is_floating_point():
+        raise TypeError(f"rois must be floating point (box coordinates), got {rois.dtype}")
+    if rois.device != input.device:
+        raise ValueError(f"rois must be on input's device {input.device}, got {rois.device}")
+    if rois.shape[0] and not torch.compiler.is_compiling() and not (
+            rois.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # RoIs come from a step that has waited for the GPU already (proposals): reading their batch indices is cheap
+        batch = rois[:, 0]
+        if bool(((batch < 0) | (batch >= input.shape[0]) | (batch != batch.floor())).any()):
+            raise ValueError(f"rois[:, 0] must be batch indices in [0, {input.shape[0]}), got values from "
+                             f"{float(batch.min())} to {float(batch.max())}")
+
+
+def _check_backend(backend: Optional[str]) -> str:
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
+    return backend or ""
 
 
 def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size: Union[int, Tuple[int, int]],
@@ -45,16 +75,8 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
         >>> deformconv.deform_roi_pool(x, rois, None, 7, spatial_scale=0.25).shape
         torch.Size([2, 16, 7, 7])
     """
-    if not isinstance(input, Tensor) or input.dim() != 4 or not input.is_floating_point():
-        raise ValueError(f"input must be a floating-point tensor [N, C, H, W], got "
-                         f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}")
-    if not isinstance(rois, Tensor) or rois.dim() != 2 or rois.shape[1] != 5:
-        raise ValueError(f"rois must be a tensor [R, 5] of (batch index, x1, y1, x2, y2), got "
-                         f"{tuple(rois.shape) if isinstance(rois, Tensor) else type(rois).__name__}")
-    if not rois.is_floating_point():
-        raise TypeError(f"rois must be floating point (box coordinates), got {rois.dtype}")
-    if rois.device != input.device:
-        raise ValueError(f"rois must be on input's device {input.device}, got {rois.device}")
+    _check_input(input)
+    _check_rois(input, rois)
     ph, pw = _pair(output_size)
     if not all(isinstance(v, int) and v > 0 for v in (ph, pw)):
         raise ValueError(f"output_size must be positive ints, got {output_size!r}")
@@ -67,17 +89,8 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
         if offset.device != input.device or not offset.is_floating_point():
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
-    if rois.shape[0] and not torch.compiler.is_compiling() and not (
-            rois.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # RoIs come from a step that has waited for the GPU already (proposals): reading their batch indices is cheap
-        batch = rois[:, 0]
-        if bool(((batch < 0) | (batch >= input.shape[0]) | (batch != batch.floor())).any()):
-            raise ValueError(f"rois[:, 0] must be batch indices in [0, {input.shape[0]}), got values from "
-                             f"{float(batch.min())} to {float(batch.max())}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
     return torch.ops.deformconv.deform_roi_pool(input, rois, offset, [ph, pw], float(spatial_scale),
-                                                int(sampling_ratio), float(gamma), backend or "")
+                                                int(sampling_ratio), float(gamma), _check_backend(backend))
 
 
 class DeformRoIPool(nn.Module):
@@ -182,3 +195,98 @@ class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
         mask = self.mask_fc(flat).view(rois.shape[0], 1, *self.output_size)
         return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
                                self.gamma) * mask
+
+
+def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spatial_scale: float, pooled_size: int,
+                      output_dim: int, no_trans: bool, group_size: int = 1, part_size: Optional[int] = None,
+                      sample_per_part: int = 4, trans_std: float = 0.0, *, backend: Optional[str] = None) -> Tensor:
+    r"""Deformable position-sensitive RoI pooling, as the Deformable ConvNets papers' code (``DeformablePSROIPooling``;
+    ``DCNv2Pooling``'s arguments).
+
+    Args:
+        input (Tensor[N, output_dim * group_size**2, H, W]): position-sensitive score maps.
+        rois (Tensor[R, 5]): (batch index, x1, y1, x2, y2), image coordinates (rounded to whole pixels).
+        offset (Tensor[R, 2 * classes, part_size, part_size], optional): (x, y) per part; ignored with no_trans.
+        spatial_scale (float): input pixels per image unit.
+        pooled_size (int): P, bins along each axis.
+        output_dim (int): output channels (a multiple of the offset's classes).
+        no_trans (bool): no offsets: deformable pooling off.
+        group_size (int): G, position-sensitive cells along each axis. Default: 1.
+        part_size (int, optional): offset cells along each axis. Default: ``pooled_size``.
+        sample_per_part (int): samples along each axis of a bin. Default: 4.
+        trans_std (float): scale of the offsets. Default: 0.0.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"``; ``None``: automatic. Default: ``None``.
+
+    Returns:
+        Tensor[R, output_dim, P, P] in input's dtype. Gradients for input and offset (the derivative of the forward as
+        defined: the original's offset gradient also counts samples clamped to the image's edge).
+
+    Differences from ``torchvision.ops.ps_roi_align``: RoIs are rounded and their end moved one pixel on; samples sit
+    at the start of each sub-bin (not its centre), count only within [-0.5, size - 0.5] and a bin averages those that
+    count; group_size need not be the pooled size. They agree where those meet: whole-pixel RoIs inside the image,
+    torchvision's shifted by half a sub-bin, group_size = pooled_size and sampling_ratio = sample_per_part.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> x = torch.randn(1, 10 * 3 * 3, 20, 20)
+        >>> rois = torch.tensor([[0, 8.0, 8.0, 60.0, 50.0]])
+        >>> deformconv.deform_psroi_pool(x, rois, None, 0.25, 3, 10, True, group_size=3).shape
+        torch.Size([1, 10, 3, 3])
+    """
+    _check_input(input)
+    _check_rois(input, rois)
+    for name, value, least in (("pooled_size", pooled_size, 1), ("output_dim", output_dim, 1),
+                               ("group_size", group_size, 1), ("sample_per_part", sample_per_part, 1)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    part_size = pooled_size if part_size is None else part_size
+    if not isinstance(part_size, int) or part_size < 1:
+        raise ValueError(f"part_size must be an int >= 1, got {part_size!r}")
+    if input.shape[1] != output_dim * group_size ** 2:
+        raise ValueError(f"input must have output_dim * group_size**2 = {output_dim * group_size ** 2} channels, got "
+                         f"{input.shape[1]}")
+    if no_trans:
+        offset = None
+    elif offset is None:
+        raise ValueError("offset is required unless no_trans")
+    else:
+        if (not isinstance(offset, Tensor) or offset.dim() != 4 or offset.shape[0] != rois.shape[0]
+                or offset.shape[1] % 2 or offset.shape[1] == 0 or tuple(offset.shape[2:]) != (part_size, part_size)):
+            raise ValueError(f"offset must have shape [{rois.shape[0]}, 2 * classes, {part_size}, {part_size}], got "
+                             f"{tuple(offset.shape) if isinstance(offset, Tensor) else type(offset).__name__}")
+        if output_dim % (offset.shape[1] // 2):
+            raise ValueError(f"output_dim ({output_dim}) must be a multiple of the offset's classes "
+                             f"({offset.shape[1] // 2})")
+        if offset.device != input.device or not offset.is_floating_point():
+            raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
+                            f"{offset.dtype} on {offset.device}")
+    return torch.ops.deformconv.deform_psroi_pool(input, rois, offset, float(spatial_scale), pooled_size, output_dim,
+                                                  group_size, part_size, sample_per_part, float(trans_std),
+                                                  _check_backend(backend))
+
+
+class DeformPSRoIPooling(nn.Module):
+    r"""The papers' deformable position-sensitive RoI pooling as a module with ``DCNv2Pooling``'s arguments:
+    :func:`deform_psroi_pool`; ``forward(input, rois, offset=None)`` (offset required unless no_trans).
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> pool = deformconv.DeformPSRoIPooling(0.25, 3, 10, no_trans=False, group_size=3, trans_std=0.1)
+        >>> x, rois = torch.randn(1, 90, 20, 20), torch.tensor([[0, 8.0, 8.0, 60.0, 50.0]])
+        >>> pool(x, rois, torch.zeros(1, 2, 3, 3)).shape
+        torch.Size([1, 10, 3, 3])
+    """
+
+    def __init__(self, spatial_scale: float, pooled_size: int, output_dim: int, no_trans: bool, group_size: int = 1,
+                 part_size: Optional[int] = None, sample_per_part: int = 4, trans_std: float = 0.0):
+        super().__init__()
+        self.spatial_scale, self.pooled_size, self.output_dim = float(spatial_scale), pooled_size, output_dim
+        self.no_trans, self.group_size = no_trans, group_size
+        self.part_size = pooled_size if part_size is None else part_size
+        self.sample_per_part, self.trans_std = sample_per_part, float(trans_std)
+
+    def forward(self, input: Tensor, rois: Tensor, offset: Optional[Tensor] = None) -> Tensor:
+        return deform_psroi_pool(input, rois, offset, self.spatial_scale, self.pooled_size, self.output_dim,
+                                 self.no_trans, self.group_size, self.part_size, self.sample_per_part, self.trans_std)

@@ -71,3 +71,67 @@ def _backward(ctx, grad_out):
 
 deform_roi_pool_op.register_autograd(_backward, setup_context=_setup)
 register_autocast(["deform_roi_pool"], keep=(1,))
+
+
+# --- the position-sensitive variant (ps_reference.py) ---------------------------------------------------
+
+
+def _ps_impl(input: Tensor, backend: str):
+    """The reference on every device: the variant has no Triton kernels yet."""
+    if backend == "triton":
+        raise NotImplementedError("deform_psroi_pool has no Triton kernels yet: backend='reference' (or None) runs it, "
+                                  "on any device")
+    select(input.device, input.dtype, backend or "reference")  # unknown names raise here
+    from . import ps_reference
+
+    return ps_reference
+
+
+@torch.library.custom_op("deformconv::deform_psroi_pool", mutates_args=())
+def deform_psroi_pool_op(input: Tensor, rois: Tensor, offset: Optional[Tensor], spatial_scale: float,
+                         pooled_size: int, output_dim: int, group_size: int, part_size: int, sample_per_part: int,
+                         trans_std: float, backend: str) -> Tensor:
+    return _ps_impl(input, backend).deform_psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size,
+                                                              output_dim, group_size, part_size, sample_per_part,
+                                                              trans_std)
+
+
+@deform_psroi_pool_op.register_fake
+def _(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size, sample_per_part, trans_std,
+      backend):
+    return input.new_empty(rois.shape[0], output_dim, pooled_size, pooled_size)
+
+
+@torch.library.custom_op("deformconv::deform_psroi_pool_backward", mutates_args=())
+def deform_psroi_pool_backward_op(grad_out: Tensor, input: Tensor, rois: Tensor, offset: Optional[Tensor],
+                                  spatial_scale: float, pooled_size: int, output_dim: int, group_size: int,
+                                  part_size: int, sample_per_part: int, trans_std: float, needs: List[bool],
+                                  backend: str) -> Tuple[Tensor, Tensor]:
+    """Gradients (input, offset); one not needed (or without an offset) comes back empty."""
+    g_in, g_off = _ps_impl(input, backend).deform_psroi_pool_backward(
+        grad_out, input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
+        sample_per_part, trans_std, *needs)
+    return (g_in if g_in is not None else input.new_empty(0), g_off if g_off is not None else input.new_empty(0))
+
+
+@deform_psroi_pool_backward_op.register_fake
+def _(grad_out, input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size, sample_per_part,
+      trans_std, needs, backend):
+    g_in = torch.empty_like(input, memory_format=torch.contiguous_format) if needs[0] else input.new_empty(0)
+    g_off = torch.empty_like(offset, memory_format=torch.contiguous_format) if needs[1] and offset is not None \
+        else input.new_empty(0)
+    return g_in, g_off
+
+
+def _ps_backward(ctx, grad_out):
+    input, rois, offset = ctx.saved_tensors
+    need_in, need_off = bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[2]) and offset is not None
+    if not (need_in or need_off):
+        return (None,) * 11
+    *params, backend = ctx.params
+    g_in, g_off = deform_psroi_pool_backward_op(grad_out, input, rois, offset, *params, [need_in, need_off], backend)
+    return (g_in if need_in else None, None, g_off if need_off else None) + (None,) * 8
+
+
+deform_psroi_pool_op.register_autograd(_ps_backward, setup_context=_setup)
+register_autocast(["deform_psroi_pool"], keep=(1,))
