@@ -1,0 +1,75 @@
+"""Deformable RoI pooling's Triton kernels on a CUDA GPU (skipped without one): forward and gradients against the
+float64 reference by dtype at Faster R-CNN-like loads and odd ones, NCHW and channels_last; torchvision's roi_align
+without offsets; deterministic mode."""
+
+import pytest
+import torch
+import torchvision
+
+import deformconv
+from conftest import HAS_CUDA, assert_close
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, torch.float16, torch.bfloat16)]
+# (N, C, H, W, RoIs, output size, spatial_scale, sampling_ratio)
+CASES = {
+    "fpn-p2-like": (2, 64, 100, 152, 200, (7, 7), 0.25, 2),
+    "fpn-p5-adaptive": (2, 64, 25, 38, 200, (7, 7), 1 / 32, 0),
+    "odd": (3, 13, 17, 23, 37, (3, 5), 0.5, 0),
+}
+
+
+def _case(name, seed=0):
+    n, c, h, w, r, out, scale, sr = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(n, c, h, w, device="cuda", generator=gen, dtype=torch.float64)
+    size = torch.tensor([w, h], device="cuda", dtype=torch.float64) / scale
+    xy = torch.rand(r, 2, device="cuda", generator=gen, dtype=torch.float64) * size * 1.1 - 0.05 * size
+    wh = torch.rand(r, 2, device="cuda", generator=gen, dtype=torch.float64) * size * 0.5
+    batch = torch.randint(0, n, (r, 1), device="cuda", generator=gen).double()
+    rois = torch.cat([batch, xy, xy + wh], 1)
+    offset = torch.randn(r, 2, *out, device="cuda", generator=gen, dtype=torch.float64) * 0.5
+    return x, rois, offset, out, scale, sr
+
+
+def _run(backend, dtype, x, rois, offset, out, scale, sr, gout, channels_last=False):
+    work = torch.float64 if backend == "reference" else dtype
+    xx = x.to(dtype).to(work)
+    if channels_last:
+        xx = xx.contiguous(memory_format=torch.channels_last)
+    leaves = [xx.requires_grad_(True), offset.to(dtype).to(work).requires_grad_(True)]
+    r = rois.float().to(torch.float64 if backend == "reference" else torch.float32)
+    y = deformconv.deform_roi_pool(leaves[0], r, leaves[1], out, scale, sr, 0.1, backend=backend)
+    return [y, *torch.autograd.grad(y, leaves, gout.to(y.dtype))]
+
+
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_the_reference(name, dtype, channels_last):
+    x, rois, offset, out, scale, sr = _case(name)
+    gout = torch.randn(rois.shape[0], x.shape[1], *out, device="cuda", dtype=torch.float64)
+    ours = _run("triton", dtype, x, rois, offset, out, scale, sr, gout, channels_last)
+    ref = _run("reference", dtype, x, rois, offset, out, scale, sr, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
+        assert_close(a, b, dtype, what)
+
+
+def test_without_offset_is_roi_align():
+    x, rois, _, out, scale, sr = _case("fpn-p2-like", seed=1)
+    x, rois = x.float(), rois.float()
+    ours = deformconv.deform_roi_pool(x, rois, None, out, scale, sr, backend="triton")
+    torch.testing.assert_close(ours, torchvision.ops.roi_align(x, rois, out, scale, sr, aligned=True), atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_deterministic_grad_input_is_bitwise_reproducible():
+    x, rois, offset, out, scale, sr = _case("fpn-p5-adaptive", seed=2)
+    gout = torch.randn(rois.shape[0], x.shape[1], *out, device="cuda", dtype=torch.float64)
+    torch.use_deterministic_algorithms(True)
+    try:
+        a, b = (_run("triton", torch.float16, x, rois, offset, out, scale, sr, gout) for _ in range(2))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(a[1], b[1])
