@@ -15,6 +15,7 @@ from .roi_pool import (DeformPSRoIPooling, DeformRoIPool, DeformRoIPoolPack, Mod
 from .functional import deform_conv2d, deform_conv2d_script
 from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
 from .surgery import make_deformable, resnet_stages
+from . import onnx  # noqa: E402  (registers the TorchScript exporter's symbolic)
 
 __version__ = "0.1.0"
 
@@ -42,6 +43,7 @@ __all__ = [
     "ModulatedDeformRoIPoolPack",
     "deform_psroi_pool",
     "DeformPSRoIPooling",
+    "onnx",
     "make_deformable",
     "resnet_stages",
     "not_supported_reasons",

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
+from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
 from .eager import DeformConv2dFunction, fast_path_ok
@@ -81,6 +82,8 @@ def deform_conv2d(
                                                                     (dilation, "dilation")))
         return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation,
                                                   backend or "")
+    if _onnx.emits_symbolic():  # inside torch.onnx.export (dynamo): the standard DeformConv node
+        return _onnx_node(input, offset, weight, bias, mask, stride, padding, dilation)
     autocasting = _autocasting(input)
     geo = check_deform_conv2d_args(
         input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocasting
@@ -94,6 +97,17 @@ def deform_conv2d(
     if fast_path_ok(tensors):
         return DeformConv2dFunction.apply(*args)  # plain eager: the same impls, without the dispatcher
     return torch.ops.deformconv.deform_conv2d(*args)
+
+
+def _onnx_node(input, offset, weight, bias, mask, stride, padding, dilation) -> Tensor:
+    check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask)
+    stride, padding, dilation = (pair(v, n) for v, n in ((stride, "stride"), (padding, "padding"),
+                                                         (dilation, "dilation")))
+    kh, kw = weight.shape[2], weight.shape[3]
+    ho = (input.shape[2] + 2 * padding[0] - (dilation[0] * (kh - 1) + 1)) // stride[0] + 1
+    wo = (input.shape[3] + 2 * padding[1] - (dilation[1] * (kw - 1) + 1)) // stride[1] + 1
+    return _onnx.symbolic_deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation,
+                                        [input.shape[0], weight.shape[0], ho, wo])
 
 
 def deform_conv2d_script(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], stride: List[int],

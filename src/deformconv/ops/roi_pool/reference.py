@@ -66,20 +66,30 @@ def _axis(coord: Tensor, size: int):
     return low, high, 1 - frac, frac, -slope, slope, inside
 
 
-def _samples(rois, geom, H, W, ctype):
-    """Sample coordinates (y, x) [R, ph, pw, gh, gw] of every bin, padded to the largest grid, and which exist."""
-    start_x, start_y, bin_w, bin_h, grid_h, grid_w, _, _ = geom
-    gh = max(int(grid_h.max()) if grid_h.numel() else 0, 1)
-    gw = max(int(grid_w.max()) if grid_w.numel() else 0, 1)
-    dev = rois.device
-    iy = torch.arange(gh, device=dev, dtype=ctype)
-    ix = torch.arange(gw, device=dev, dtype=ctype)
-    gh_r, gw_r = grid_h.to(ctype).clamp(min=1), grid_w.to(ctype).clamp(min=1)
-    y = start_y[..., None, None] + ((iy + 0.5) * (bin_h / gh_r)[:, None])[:, None, None, :, None]
-    x = start_x[..., None, None] + ((ix + 0.5) * (bin_w / gw_r)[:, None])[:, None, None, None, :]
-    exists = ((torch.arange(gh, device=dev) < grid_h[:, None])[:, None, None, :, None]
-              & (torch.arange(gw, device=dev) < grid_w[:, None])[:, None, None, None, :])
-    return y, x, exists
+def _batches(geom, C: int, bins: int):
+    """RoIs in batches of one sample grid (gh, gw) (no RoI padded to another's grid), each small enough for
+    GATHER_BUDGET: (indices [r], gh, gw)."""
+    grid_h, grid_w = geom[4], geom[5]
+    keys, inverse = torch.unique(torch.stack([grid_h, grid_w], 1), dim=0, return_inverse=True)
+    for k, (gh, gw) in enumerate(keys.tolist()):
+        sel = (inverse == k).nonzero()[:, 0]
+        step = max(1, GATHER_BUDGET // max(C * bins * max(gh * gw, 1) * 4, 1))
+        for s in range(0, sel.numel(), step):
+            yield sel[s:s + step], gh, gw
+
+
+def _samples(geom, sel: Tensor, gh: int, gw: int, ctype):
+    """Sample coordinates (y, x) [r, ph, pw, gh, gw] of the RoIs sel (all of grid gh x gw), and whether they exist
+    (none for a grid of no samples)."""
+    start_x, start_y, bin_w, bin_h = (t[sel] for t in geom[:4])
+    dev = sel.device
+    exists = gh > 0 and gw > 0
+    gh, gw = max(gh, 1), max(gw, 1)
+    iy = (torch.arange(gh, device=dev, dtype=ctype) + 0.5) / gh
+    ix = (torch.arange(gw, device=dev, dtype=ctype) + 0.5) / gw
+    y = start_y[..., None, None] + (iy * bin_h[:, None])[:, None, None, :, None]
+    x = start_x[..., None, None] + (ix * bin_w[:, None])[:, None, None, None, :]
+    return y, x, torch.full(y.shape, exists, dtype=torch.bool, device=dev)
 
 
 def _corners(input_rows: Tensor, batch: Tensor, y: Tensor, x: Tensor, exists: Tensor, H: int, W: int):
@@ -101,10 +111,6 @@ def _counts(geom) -> Tensor:
     return (grid_h * grid_w).clamp(min=1)
 
 
-def _chunk(C: int, bins: int, samples: int) -> int:
-    return max(1, GATHER_BUDGET // max(C * bins * samples * 4, 1))
-
-
 def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size, spatial_scale: float,
                             sampling_ratio: int, gamma: float) -> Tensor:
     """out [R, C, ph, pw] in input's dtype."""
@@ -116,17 +122,22 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
         return out.to(input.dtype)
     rows = input.to(ctype).permute(0, 2, 3, 1).reshape(N * H * W, C)
     geom = roi_geometry(rois, offset, output_size, spatial_scale, sampling_ratio, gamma, ctype)
-    y, x, exists = _samples(rois, geom, H, W, ctype)
     count = _counts(geom).to(ctype)
     batch = rois[:, 0].to(torch.int64)
-    step = _chunk(C, ph * pw, y.shape[-1] * y.shape[-2])
-    for s in range(0, R, step):
-        e = min(R, s + step)
-        acc = 0
-        for idx, wgt, _, _ in _corners(rows, batch[s:e], y[s:e], x[s:e], exists[s:e], H, W):
-            v = rows[idx.reshape(-1)].reshape(*idx.shape, C)  # [r, ph, pw, gh, gw, C]
-            acc = acc + (wgt[..., None] * v).sum((3, 4))
-        out[s:e] = (acc / count[s:e, None, None, None]).permute(0, 3, 1, 2)
+    bins = ph * pw
+    for sel, gh, gw in _batches(geom, C, bins):
+        y, x, exists = _samples(geom, sel, gh, gw, ctype)
+        # the bins as one sparse product: each bin is a weighted sum of input rows (its samples' corners), so
+        # out [r·bins, C] = S @ rows with S holding each corner's weight / count; no [samples, C] gather is made
+        bin_of = torch.arange(sel.numel() * bins, device=input.device).reshape(-1, ph, pw, 1, 1)
+        index, value = [], []
+        for idx, wgt, _, _ in _corners(rows, batch[sel], y, x, exists, H, W):
+            idx, wgt = torch.broadcast_tensors(idx, wgt)
+            index.append(torch.stack([bin_of.expand(idx.shape).reshape(-1), idx.reshape(-1)]))
+            value.append((wgt / count[sel, None, None, None, None]).reshape(-1))
+        S = torch.sparse_coo_tensor(torch.cat(index, 1), torch.cat(value), (sel.numel() * bins, N * H * W),
+                                    check_invariants=False)
+        out[sel] = torch.sparse.mm(S, rows).reshape(-1, ph, pw, C).permute(0, 3, 1, 2)
     return out.to(input.dtype)
 
 
@@ -143,26 +154,22 @@ def deform_roi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offs
     if R and N * H * W and (need_input or need_offset):
         rows = input.to(ctype).permute(0, 2, 3, 1).reshape(N * H * W, C)
         geom = roi_geometry(rois, offset, output_size, spatial_scale, sampling_ratio, gamma, ctype)
-        y, x, exists = _samples(rois, geom, H, W, ctype)
         roi_w, roi_h = geom[6], geom[7]
         g = grad_out.to(ctype).permute(0, 2, 3, 1) / _counts(geom).to(ctype)[:, None, None, None]  # [R, ph, pw, C]
         batch = rois[:, 0].to(torch.int64)
-        step = _chunk(C, ph * pw, y.shape[-1] * y.shape[-2])
-        for s in range(0, R, step):
-            e = min(R, s + step)
-            gs = g[s:e, :, :, None, None, :]  # [r, ph, pw, 1, 1, C]
+        for sel, gh, gw in _batches(geom, C, ph * pw):
+            y, x, exists = _samples(geom, sel, gh, gw, ctype)
+            gs = g[sel][:, :, :, None, None, :]  # [r, ph, pw, 1, 1, C]
             gx = gy = 0
-            for idx, wgt, dwy, dwx in _corners(rows, batch[s:e], y[s:e], x[s:e], exists[s:e], H, W):
+            for idx, wgt, dwy, dwx in _corners(rows, batch[sel], y, x, exists, H, W):
                 if need_input:
-                    contrib = (wgt[..., None] * gs).reshape(-1, C)
-                    g_rows.index_add_(0, idx.reshape(-1), contrib)
+                    g_rows.index_add_(0, idx.reshape(-1), (wgt[..., None] * gs).reshape(-1, C))
                 if need_offset:
-                    v = rows[idx.reshape(-1)].reshape(*idx.shape, C)
-                    gv = (gs * v).sum(-1)  # [r, ph, pw, gh, gw]
+                    gv = (gs * rows[idx.reshape(-1)].reshape(*idx.shape, C)).sum(-1)  # [r, ph, pw, gh, gw]
                     gx = gx + (dwx * gv).sum((3, 4))
                     gy = gy + (dwy * gv).sum((3, 4))
             if need_offset:
-                g_off[s:e, 0] = gamma * roi_w[s:e, None, None] * gx
-                g_off[s:e, 1] = gamma * roi_h[s:e, None, None] * gy
+                g_off[sel, 0] = gamma * roi_w[sel, None, None] * gx
+                g_off[sel, 1] = gamma * roi_h[sel, None, None] * gy
     g_in = None if g_rows is None else g_rows.reshape(N, H, W, C).permute(0, 3, 1, 2).to(input.dtype)
     return g_in, (None if g_off is None else g_off.to(offset.dtype))

@@ -1,0 +1,126 @@
+"""ONNX export of deform_conv2d to the standard DeformConv operator, run in onnxruntime (the client), with both of
+torch's exporters: every layer configuration the modules take, a small network, another batch and spatial size than
+the exported one, and clear errors for what cannot be exported."""
+
+import warnings
+
+import pytest
+import torch
+
+import deformconv
+
+onnx = pytest.importorskip("onnx")
+ort = pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+ATOL = 1e-4  # fp32: ours against onnxruntime's DeformConv (different summation orders), relative to max |output|
+
+LAYERS = {
+    "DeformConv2dPack": lambda: deformconv.DeformConv2dPack(8, 12, 3, padding=1),
+    "Modulated-groups-og": lambda: deformconv.ModulatedDeformConv2dPack(8, 12, 3, padding=1, groups=2, deform_groups=4),
+    "Modulated-stride-dilation": lambda: deformconv.ModulatedDeformConv2dPack(8, 6, 3, stride=2, padding=2, dilation=2),
+    "no-bias-5x5": lambda: deformconv.DeformConv2dPack(8, 4, 5, padding=2, bias=False),
+    "no-bias-with-mask": lambda: deformconv.ModulatedDeformConv2dPack(8, 4, (3, 1), padding=(1, 0), bias=False),
+}
+
+
+def _randomised(module):
+    torch.manual_seed(0)
+    for m in module.modules():
+        if hasattr(m, "conv_offset"):
+            torch.nn.init.normal_(m.conv_offset.weight, std=0.3)
+    return module.eval()
+
+
+def _close(actual, expected):
+    scale = max(expected.abs().max().item(), 1e-6)
+    torch.testing.assert_close(torch.from_numpy(actual), expected, atol=ATOL * scale, rtol=1e-4)
+
+
+def _ort_run(path, x):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {sess.get_inputs()[0].name: x.numpy()})[0]
+
+
+def _deform_nodes(path):
+    model = onnx.load(str(path))
+    return [n for n in model.graph.node if n.op_type == "DeformConv"], model
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_dynamo_export_runs_in_onnxruntime_at_other_sizes(name, tmp_path):
+    """deformconv.onnx.export (dynamic batch and spatial size) -> standard DeformConv nodes, checked; onnxruntime's
+    outputs equal ours at the exported size and at another batch and spatial size."""
+    layer = _randomised(LAYERS[name]())
+    x = torch.randn(2, 8, 15, 17)
+    path = tmp_path / "layer.onnx"
+    batch, h, w = torch.export.Dim("batch"), torch.export.Dim("h", min=5), torch.export.Dim("w", min=5)
+    deformconv.onnx.export(layer, (x,), path, dynamic_shapes=({0: batch, 2: h, 3: w},))
+    nodes, model = _deform_nodes(path)
+    assert len(nodes) == 1 and nodes[0].domain in ("", "ai.onnx")
+    assert any(o.domain in ("", "ai.onnx") and o.version >= 19 for o in model.opset_import)
+    with torch.no_grad():
+        for shape in ((2, 8, 15, 17), (3, 8, 11, 20)):
+            xx = torch.randn(*shape)
+            _close(_ort_run(path, xx), layer(xx))
+
+
+def test_plain_torch_onnx_export_of_a_network_needs_no_table(tmp_path):
+    """torch.onnx.export(model, args) as is: a network with several deformable layers exports (the function emits
+    DeformConv itself while exporting)."""
+    net = _randomised(torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.ReLU(),
+        deformconv.ModulatedDeformConv2dPack(8, 8, 3, padding=1), torch.nn.ReLU(),
+        deformconv.DeformConv2dPack(8, 16, 3, stride=2, padding=1), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten()))
+    x = torch.randn(2, 3, 20, 24)
+    path = tmp_path / "net.onnx"
+    torch.onnx.export(net, (x,), dynamo=True, opset_version=19).save(str(path))
+    onnx.checker.check_model(str(path), full_check=True)
+    assert len(_deform_nodes(path)[0]) == 2
+    with torch.no_grad():
+        _close(_ort_run(path, x), net(x))
+
+
+@pytest.mark.parametrize("name", ["Modulated-groups-og", "no-bias-with-mask"])
+def test_torchscript_exporter_with_dynamic_axes(name, tmp_path):
+    layer = _randomised(LAYERS[name]())
+    x = torch.randn(1, 8, 12, 13)
+    path = tmp_path / "ts.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation
+        torch.onnx.export(layer, (x,), str(path), dynamo=False, opset_version=19, input_names=["x"],
+                          dynamic_axes={"x": {0: "n", 2: "h", 3: "w"}})
+    onnx.checker.check_model(str(path))
+    assert len(_deform_nodes(path)[0]) == 1
+    with torch.no_grad():
+        for shape in ((1, 8, 12, 13), (2, 8, 9, 16)):
+            xx = torch.randn(*shape)
+            _close(_ort_run(path, xx), layer(xx))
+
+
+def test_the_raw_op_exports_through_the_translation_table(tmp_path):
+    """A graph holding torch.ops.deformconv.deform_conv2d itself (not the function): the documented
+    custom_translation_table argument."""
+    class Raw(torch.nn.Module):
+        def forward(self, x, offset, w):
+            return torch.ops.deformconv.deform_conv2d(x, offset, w, None, None, [1, 1], [1, 1], [1, 1], "")
+
+    x, offset, w = torch.randn(1, 4, 7, 8), torch.randn(1, 18, 7, 8), torch.randn(5, 4, 3, 3)
+    prog = torch.onnx.export(Raw(), (x, offset, w), dynamo=True, opset_version=19,
+                             custom_translation_table=deformconv.onnx.translation_table())
+    path = tmp_path / "raw.onnx"
+    prog.save(str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    names = [i.name for i in sess.get_inputs()]
+    got = sess.run(None, dict(zip(names, (x.numpy(), offset.numpy(), w.numpy()))))[0]
+    _close(got, deformconv.deform_conv2d(x, offset, w, padding=1))
+
+
+def test_clear_errors(tmp_path):
+    layer = _randomised(LAYERS["DeformConv2dPack"]())
+    x = torch.randn(1, 8, 9, 9)
+    with pytest.raises(ValueError, match="opset must be >= 19"):
+        deformconv.onnx.export(layer, (x,), tmp_path / "old.onnx", opset=18)
+    m = deformconv.DCNv3(channels=8, group=2).eval()
+    with pytest.raises(Exception, match="DCNv3 has no ONNX operator"):
+        deformconv.onnx.export(m, (torch.randn(1, 6, 7, 8),), tmp_path / "dcnv3.onnx")
