@@ -64,7 +64,8 @@ def naive_deform_roi_pool(input, rois, offset, output_size, spatial_scale=1.0, s
 
 
 def _interp(img, y, x):
-    """The Deformable ConvNets code's bilinear: img [H, W]; y, x already clamped to the image; floor and ceil corners."""
+    """The Deformable ConvNets code's bilinear: img [H, W]; y, x clamped to the image already; floor and ceil
+    corners."""
     yf, xf = float(y.detach()), float(x.detach())
     y1, y2, x1, x2 = math.floor(yf), math.ceil(yf), math.floor(xf), math.ceil(xf)
     dy, dx = y - y1, x - x1

@@ -121,6 +121,59 @@ def test_clear_errors(tmp_path):
     x = torch.randn(1, 8, 9, 9)
     with pytest.raises(ValueError, match="opset must be >= 19"):
         deformconv.onnx.export(layer, (x,), tmp_path / "old.onnx", opset=18)
-    m = deformconv.DCNv3(channels=8, group=2).eval()
-    with pytest.raises(Exception, match="DCNv3 has no ONNX operator"):
-        deformconv.onnx.export(m, (torch.randn(1, 6, 7, 8),), tmp_path / "dcnv3.onnx")
+    pool = deformconv.DeformRoIPool(2, spatial_scale=0.5).eval()
+    rois = torch.tensor([[0, 1.0, 1.0, 8.0, 8.0]])
+    with pytest.raises(Exception, match="deformable RoI pooling has no ONNX operator"):
+        deformconv.onnx.export(pool, (x, rois), tmp_path / "pool.onnx")
+
+
+def _ort_outputs(path, inputs):
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return sess.run(None, {i.name: t.numpy() for i, t in zip(sess.get_inputs(), inputs)})[0]
+
+
+@pytest.mark.parametrize("module", ["DCNv3", "DCNv4"])
+@pytest.mark.parametrize("remove_center", [False, True])
+def test_dcnv3_dcnv4_export_as_a_depthwise_deform_conv(module, remove_center, tmp_path):
+    """DCNv3/DCNv4 modules (offset_scale != 1, remove_center, D not a power of two): one standard DeformConv with
+    group = channels, equal to ours in onnxruntime at the exported size and at another size."""
+    torch.manual_seed(0)
+    m = getattr(deformconv, module)(channels=12, group=4, offset_scale=0.7, remove_center=remove_center).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    shape = (2, 7, 9, 12) if module == "DCNv3" else (2, 63, 12)
+    dims = {0: torch.export.Dim("n"), 1: torch.export.Dim("h"), 2: torch.export.Dim("w")}
+    x = torch.randn(*shape)
+    args = (x,) if module == "DCNv3" else (x, (7, 9))
+    path = tmp_path / "dcn.onnx"
+    # (DCNv4's forward takes its (H, W) as a tuple of ints, which torch.onnx's dynamic_shapes cannot describe: static)
+    deformconv.onnx.export(m, args, path, dynamic_shapes=(dims,) if module == "DCNv3" else None)
+    nodes, _ = _deform_nodes(path)
+    assert len(nodes) == 1 and {a.name: a.i for a in nodes[0].attribute}["group"] == 12
+    with torch.no_grad():
+        _close(_ort_outputs(path, [x]), m(*args))
+        if module == "DCNv3":
+            x2 = torch.randn(3, 6, 11, 12)
+            _close(_ort_outputs(path, [x2]), m(x2))
+
+
+def test_ms_deform_attn_exports_as_grid_sample(tmp_path):
+    """MSDeformAttn: one GridSample a level (align_corners=0, zeros), equal to ours in onnxruntime, also with other
+    level sizes fed at run time."""
+    torch.manual_seed(0)
+    m = deformconv.MSDeformAttn(16, n_levels=2, n_heads=4, n_points=3).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    shapes, starts = torch.tensor([[6, 7], [3, 4]]), torch.tensor([0, 42])
+    q, src, ref = torch.randn(2, 9, 16), torch.randn(2, 54, 16), torch.rand(2, 9, 2, 2) * 1.2 - 0.1
+    path = tmp_path / "msda.onnx"
+    deformconv.onnx.export(m, (q, ref, src, shapes, starts), path,
+                           dynamic_shapes=({1: torch.export.Dim("q")}, {1: torch.export.Dim("q")},
+                                           {1: torch.export.Dim("s")}, None, None))
+    model = onnx.load(str(path))
+    assert sum(n.op_type == "GridSample" for n in model.graph.node) == 2
+    with torch.no_grad():
+        _close(_ort_outputs(path, [q, ref, src, shapes, starts]), m(q, ref, src, shapes, starts))
+        shapes2, starts2 = torch.tensor([[5, 5], [2, 3]]), torch.tensor([0, 25])
+        q2, src2, ref2 = torch.randn(2, 4, 16), torch.randn(2, 31, 16), torch.rand(2, 4, 2, 2)
+        _close(_ort_outputs(path, [q2, ref2, src2, shapes2, starts2]), m(q2, ref2, src2, shapes2, starts2))

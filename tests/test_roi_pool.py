@@ -118,8 +118,8 @@ def test_triton_matches_the_reference(dtype, channels_last, sampling_ratio):
     ours = _grads(lambda x, r, o: deformconv.deform_roi_pool(x.contiguous(memory_format=fmt), r, o, *args,
                                                              backend="triton"),
                   x.to(dtype), rois.float(), offset.to(dtype), gout)  # the RoIs stay fp32, as under autocast
-    ref = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, o, *args, backend="reference"), x, rois.float().double(),
-                 offset, gout)
+    ref = _grads(lambda x, r, o: deformconv.deform_roi_pool(x, r, o, *args, backend="reference"), x,
+                 rois.float().double(), offset, gout)
     assert ours[0].dtype == dtype
     for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
         assert_close(a, b, dtype, what)

@@ -169,7 +169,8 @@ class MultiScaleDeformableAttention(nn.Module):
         if value_size % num_heads != 0:
             raise ValueError(f"embed_dims * value_proj_ratio ({value_size}) must be divisible by num_heads "
                              f"({num_heads})")
-        self.embed_dims, self.num_heads, self.num_levels, self.num_points = embed_dims, num_heads, num_levels, num_points
+        self.embed_dims, self.num_heads = embed_dims, num_heads
+        self.num_levels, self.num_points = num_levels, num_points
         self._heads, self._levels, self._points = num_heads, num_levels, num_points
         self.im2col_step, self.batch_first, self.norm_cfg = im2col_step, batch_first, norm_cfg
         self.dropout = nn.Dropout(dropout)

@@ -6,8 +6,9 @@
   ``custom_translation_table=deformconv.onnx.translation_table()``, which :func:`export` passes.
 - The TorchScript-based exporter (``dynamo=False``): a symbolic for the op is registered when deformconv is imported.
 
-The other ops have no standard operator, and no exact decomposition is provided yet: exporting them raises. The
-opset must be at least 19, the first with ``DeformConv``.
+DCNv3, DCNv4 and multi-scale deformable attention export as exact decompositions into standard operators
+(:func:`translation_table`; their modules need it, which :func:`export` passes). Deformable RoI pooling has none yet:
+exporting it raises. The opset must be at least 19, the first with ``DeformConv``.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ from torch import Tensor
 OPSET = 19  # the first opset with DeformConv
 
 _NO_EXPORT = {
-    "dcnv3": "DCNv3 has no ONNX operator",
-    "dcnv4": "DCNv4 has no ONNX operator",
-    "ms_deform_attn": "multi-scale deformable attention has no ONNX operator",
     "deform_roi_pool": "deformable RoI pooling has no ONNX operator",
     "deform_psroi_pool": "deformable position-sensitive RoI pooling has no ONNX operator",
 }
@@ -55,15 +53,45 @@ def emits_symbolic() -> bool:
 
 
 def translation_table() -> Dict[Callable, Callable]:
-    """``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True)``: deformconv's ops to ONNX (onnxscript
-    functions; needs the onnxscript package)."""
+    """``custom_translation_table`` for ``torch.onnx.export(..., dynamo=True)``: deformconv's ops to standard ONNX
+    operators (onnxscript functions; needs the onnxscript package). deform_conv2d is one ``DeformConv``; DCNv3 and
+    DCNv4 are an exact depthwise ``DeformConv`` (group = channels, a weight of ones, offset group = the op's group,
+    the aggregation weights as the mask, the offsets reordered to (dy, dx) row-major taps with offset_scale applied);
+    multi-scale deformable attention is one ``GridSample`` a level (align_corners=0, zeros: its definition) weighted
+    and summed. Deformable RoI pooling has no exact decomposition here and raises."""
     from onnxscript import opset19 as op
 
     def deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation, backend):
         attrs = _attributes(input.shape[1], offset.shape[1], weight.shape, stride, padding, dilation)
         return op.DeformConv(input, weight, offset, bias, mask, **attrs)
 
-    table: Dict[Callable, Callable] = {torch.ops.deformconv.deform_conv2d.default: deform_conv2d}
+    def dcnv3(input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center,
+              backend):
+        return _dcn_as_deform_conv(op, input, offset, mask, kernel, stride, pad, dilation, group, group_channels,
+                                   offset_scale, remove_center)
+
+    def dcnv4(input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center,
+              backend):
+        points = kernel[0] * kernel[1] - int(remove_center)
+        blocks = op.Reshape(op.Slice(offset_mask, op.Constant(value_ints=[0]),
+                                     op.Constant(value_ints=[3 * group * points]), op.Constant(value_ints=[3])),
+                            op.Constant(value_ints=[0, 0, 0, group, 3 * points]))
+        offset = op.Slice(blocks, op.Constant(value_ints=[0]), op.Constant(value_ints=[2 * points]),
+                          op.Constant(value_ints=[4]))
+        mask = op.Slice(blocks, op.Constant(value_ints=[2 * points]), op.Constant(value_ints=[3 * points]),
+                        op.Constant(value_ints=[4]))
+        return _dcn_as_deform_conv(op, input, op.Reshape(offset, op.Constant(value_ints=[0, 0, 0, -1])),
+                                   op.Reshape(mask, op.Constant(value_ints=[0, 0, 0, -1])), kernel, stride, pad,
+                                   dilation, group, group_channels, offset_scale, remove_center)
+
+    def ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend):
+        return _msda_as_grid_sample(op, value, spatial_shapes, level_start_index, sampling_locations,
+                                    attention_weights)
+
+    table: Dict[Callable, Callable] = {torch.ops.deformconv.deform_conv2d.default: deform_conv2d,
+                                       torch.ops.deformconv.dcnv3.default: dcnv3,
+                                       torch.ops.deformconv.dcnv4.default: dcnv4,
+                                       torch.ops.deformconv.ms_deform_attn.default: ms_deform_attn}
     for name, why in _NO_EXPORT.items():
         def refuse(*args, _why=why, _name=name, **kwargs):
             raise NotImplementedError(f"deformconv.{_name} cannot be exported to ONNX: {_why} and no exact "
@@ -71,6 +99,70 @@ def translation_table() -> Dict[Callable, Callable]:
 
         table[getattr(torch.ops.deformconv, name).default] = refuse
     return table
+
+
+def _dcn_as_deform_conv(op, input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                        remove_center):
+    """DCNv3's core as a depthwise DeformConv (deformconv.dcnv3_to_deform_conv2d's conversion, in ONNX operators)."""
+    import numpy as np
+    from onnxscript import ir
+
+    from .ops.dcnv3.geometry import DcnGeometry
+
+    kh, kw = kernel
+    geo = DcnGeometry(1, 1, 1, group, group_channels, (kh, kw), tuple(stride), tuple(pad), tuple(dilation),
+                      float(offset_scale), bool(remove_center))
+    taps, channels = geo.taps(), group * group_channels
+    points = len(taps)
+    ch, cw = (dilation[0] * (kh - 1)) // 2, (dilation[1] * (kw - 1)) // 2
+    order = [points] * (kh * kw)  # DeformConv's row-major tap t reads DCNv3's point order[t] (points: a zero one)
+    for k, (i, j) in enumerate(taps):
+        order[j * kw + i] = k
+    spread = offset_scale - 1
+    base = np.array([((t // kw * dilation[0] - ch) * spread, (t % kw * dilation[1] - cw) * spread)
+                     for t in range(kh * kw)], np.float32)  # the taps' spread scaled: DCNv3 scales it, DeformConv not
+    off = op.Reshape(offset, op.Constant(value_ints=[0, 0, 0, group, points, 2]))
+    off = op.Pad(off, op.Constant(value_ints=[0] * 10 + [1, 0]))  # the zero point
+    off = op.Gather(op.Gather(off, op.Constant(value_ints=order), axis=4), op.Constant(value_ints=[1, 0]), axis=5)
+    off = op.Add(op.Mul(off, op.CastLike(op.Constant(value_float=float(offset_scale)), off)),
+                 op.CastLike(op.Constant(value=ir.tensor(base)), off))
+    off = op.Transpose(op.Reshape(off, op.Constant(value_ints=[0, 0, 0, -1])), perm=[0, 3, 1, 2])
+    m = op.Reshape(mask, op.Constant(value_ints=[0, 0, 0, group, points]))
+    m = op.Gather(op.Pad(m, op.Constant(value_ints=[0] * 9 + [1])), op.Constant(value_ints=order), axis=4)
+    m = op.Transpose(op.Reshape(m, op.Constant(value_ints=[0, 0, 0, -1])), perm=[0, 3, 1, 2])
+    ones = op.CastLike(op.Constant(value=ir.tensor(np.ones((channels, 1, kh, kw), np.float32))), input)
+    y = op.DeformConv(op.Transpose(input, perm=[0, 3, 1, 2]), ones, off, None, m, dilations=list(dilation),
+                      group=channels, kernel_shape=[kh, kw], offset_group=group,
+                      pads=[pad[0], pad[1], pad[0], pad[1]], strides=list(stride))
+    return op.Transpose(y, perm=[0, 2, 3, 1])
+
+
+def _msda_as_grid_sample(op, value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
+    """Multi-scale deformable attention as GridSample a level, the levels' sizes read from the shape tensors."""
+    n_heads, head_dim = value.shape[2], value.shape[3]
+    levels, points = sampling_locations.shape[3], sampling_locations.shape[4]
+    out = None
+    for lvl in range(levels):
+        shape = op.Gather(spatial_shapes, op.Constant(value_int=lvl), axis=0)  # (H, W)
+        start = op.Gather(level_start_index, op.Constant(value_ints=[lvl]), axis=0)
+        size = op.ReduceProd(shape, keepdims=1)
+        v = op.Slice(value, start, op.Add(start, size), op.Constant(value_ints=[1]))  # [N, HW, M, D]
+        v = op.Transpose(v, perm=[0, 2, 3, 1])  # [N, M, D, HW]
+        v = op.Reshape(v, op.Concat(op.Constant(value_ints=[-1, head_dim]), shape, axis=0))  # [N·M, D, H, W]
+        loc = op.Gather(sampling_locations, op.Constant(value_int=lvl), axis=3)  # [N, Lq, M, P, 2]
+        loc = op.Transpose(loc, perm=[0, 2, 1, 3, 4])  # [N, M, Lq, P, 2]
+        loc = op.Reshape(loc, op.Concat(op.Constant(value_ints=[-1]), op.Shape(loc, start=2, end=3),
+                                        op.Constant(value_ints=[points, 2]), axis=0))  # [N·M, Lq, P, 2]
+        grid = op.Sub(op.Mul(loc, op.CastLike(op.Constant(value_float=2.0), loc)),
+                      op.CastLike(op.Constant(value_float=1.0), loc))
+        sampled = op.GridSample(v, op.CastLike(grid, v), align_corners=0, mode="bilinear", padding_mode="zeros")
+        a = op.Gather(attention_weights, op.Constant(value_int=lvl), axis=3)  # [N, Lq, M, P]
+        a = op.Reshape(op.Transpose(a, perm=[0, 2, 1, 3]), op.Constant(value_ints=[-1, 1, 0, points]))
+        term = op.ReduceSum(op.Mul(sampled, a), op.Constant(value_ints=[3]), keepdims=0)  # [N·M, D, Lq]
+        out = term if out is None else op.Add(out, term)
+    out = op.Reshape(out, op.Concat(op.Constant(value_ints=[-1, n_heads * head_dim]),
+                                    op.Shape(out, start=2, end=3), axis=0))  # [N, M·D, Lq]
+    return op.Transpose(out, perm=[0, 2, 1])
 
 
 def export(model: torch.nn.Module, args: tuple, path: str | os.PathLike, *, opset: int = OPSET,

@@ -46,7 +46,8 @@ def _fwd_bwd(fn, leaves, gout=None):
     leaves = [t.detach().requires_grad_(True) for t in leaves]
     out = fn(*leaves)
     if gout is None:
-        gout = torch.randn(out.shape, device="cuda", dtype=torch.float64, generator=torch.Generator("cuda").manual_seed(5))
+        gen = torch.Generator("cuda").manual_seed(5)
+        gout = torch.randn(out.shape, device="cuda", dtype=torch.float64, generator=gen)
     grads = torch.autograd.grad(out, leaves, gout.to(out.dtype))
     return out, grads, gout
 
