@@ -8,11 +8,12 @@ output channels, bins and samples, in chunks of RoIs; the backward written out.
     out      [R, output_dim, P, P]
 
 RoI (x1, y1, x2, y2) spans [round(x1)·s − 0.5, (round(x2) + 1)·s − 0.5] (halves rounded away from zero; at least
-0.1 wide) and is cut into P × P bins. Bin (i, j) of output channel o reads input channel (o·G + gi)·G + gj, gi = ⌊i·G/P⌋ (G = group_size), moves by
-trans_std · (width, height) · offset[r, (2k, 2k + 1), ⌊i·part/P⌋, ⌊j·part/P⌋] (k = o // (output_dim / classes)), and
-is the mean of its samples at the starts of sample_per_part² sub-bins that lie in [−0.5, W − 0.5] × [−0.5, H − 0.5]
-(each clamped to the image and interpolated bilinearly; 0 if none does). The part and group cells are integer
-divisions (the original computes them in floating point, which can round a boundary the other way).
+0.1 wide) and is cut into P × P bins. Bin (i, j) of output channel o reads input channel (o·G + gi)·G + gj, with
+gi = ⌊i·G/P⌋ (G = group_size), moves by trans_std · (width, height) · offset[r, (2k, 2k + 1), ⌊i·part/P⌋,
+⌊j·part/P⌋] (k = o // (output_dim / classes)), and is the mean of its samples at the starts of sample_per_part²
+sub-bins that lie in [−0.5, W − 0.5] × [−0.5, H − 0.5] (each clamped to the image and interpolated bilinearly; 0 if
+none does). The part and group cells are integer divisions (the original computes them in floating point, which can
+round a boundary the other way).
 """
 
 from __future__ import annotations
