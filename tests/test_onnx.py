@@ -121,10 +121,13 @@ def test_clear_errors(tmp_path):
     x = torch.randn(1, 8, 9, 9)
     with pytest.raises(ValueError, match="opset must be >= 19"):
         deformconv.onnx.export(layer, (x,), tmp_path / "old.onnx", opset=18)
-    pool = deformconv.DeformRoIPool(2, spatial_scale=0.5).eval()
+    pool = deformconv.DeformRoIPool(2, spatial_scale=0.5).eval()  # adaptive sampling
     rois = torch.tensor([[0, 1.0, 1.0, 8.0, 8.0]])
-    with pytest.raises(Exception, match="deformable RoI pooling has no ONNX operator"):
+    with pytest.raises(Exception, match="sampling_ratio=0 cannot be exported to ONNX: each bin then takes"):
         deformconv.onnx.export(pool, (x, rois), tmp_path / "pool.onnx")
+    ps = deformconv.DeformPSRoIPooling(0.5, 2, 8, no_trans=True).eval()
+    with pytest.raises(Exception, match="position-sensitive RoI pooling has no ONNX operator"):
+        deformconv.onnx.export(ps, (x, rois), tmp_path / "ps.onnx")
 
 
 def _ort_outputs(path, inputs):
@@ -177,3 +180,23 @@ def test_ms_deform_attn_exports_as_grid_sample(tmp_path):
         shapes2, starts2 = torch.tensor([[5, 5], [2, 3]]), torch.tensor([0, 25])
         q2, src2, ref2 = torch.randn(2, 4, 16), torch.randn(2, 31, 16), torch.rand(2, 4, 2, 2)
         _close(_ort_outputs(path, [q2, ref2, src2, shapes2, starts2]), m(q2, ref2, src2, shapes2, starts2))
+
+
+@pytest.mark.parametrize("module", ["DeformRoIPoolPack", "ModulatedDeformRoIPoolPack"])
+def test_deform_roi_pool_with_a_fixed_grid_exports_as_grid_sample(module, tmp_path):
+    """mmcv's pooling modules with sampling_ratio 2: one GridSample (align_corners=1, border) per pooling, equal to
+    ours in onnxruntime, with RoIs partly and wholly outside the image, and another number of RoIs at run time."""
+    torch.manual_seed(0)
+    m = getattr(deformconv, module)((3, 4), output_channels=5, deform_fc_channels=16, spatial_scale=0.5,
+                                    sampling_ratio=2).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    x = torch.randn(2, 5, 9, 11)
+    rois = torch.tensor([[0, 1.0, 1.0, 30.0, 20.0], [1, -5.0, 2.0, 10.0, 40.0], [0, 25.0, 25.0, 60.0, 60.0],
+                         [1, 0.5, 0.7, 8.2, 16.9]])
+    path = tmp_path / "pool.onnx"
+    deformconv.onnx.export(m, (x, rois), path, dynamic_shapes=(None, {0: torch.export.Dim("r")}))
+    assert sum(n.op_type == "GridSample" for n in onnx.load(str(path)).graph.node) == 2
+    with torch.no_grad():
+        _close(_ort_outputs(path, [x, rois]), m(x, rois))
+        _close(_ort_outputs(path, [x, rois[1:]]), m(x, rois[1:]))

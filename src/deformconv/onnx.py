@@ -6,9 +6,11 @@
   ``custom_translation_table=deformconv.onnx.translation_table()``, which :func:`export` passes.
 - The TorchScript-based exporter (``dynamo=False``): a symbolic for the op is registered when deformconv is imported.
 
-DCNv3, DCNv4 and multi-scale deformable attention export as exact decompositions into standard operators
-(:func:`translation_table`; their modules need it, which :func:`export` passes). Deformable RoI pooling has none yet:
-exporting it raises. The opset must be at least 19, the first with ``DeformConv``.
+DCNv3, DCNv4, multi-scale deformable attention and deformable RoI pooling with a fixed sample grid export as exact
+decompositions into standard operators (:func:`translation_table`; their modules need it, which :func:`export`
+passes). Deformable RoI pooling with adaptive sampling (sampling_ratio=0) takes a number of samples that depends on
+the RoIs' values, and the position-sensitive variant has no decomposition yet: exporting them raises, saying so. The
+opset must be at least 19, the first with ``DeformConv``.
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from torch import Tensor
 OPSET = 19  # the first opset with DeformConv
 
 _NO_EXPORT = {
-    "deform_roi_pool": "deformable RoI pooling has no ONNX operator",
     "deform_psroi_pool": "deformable position-sensitive RoI pooling has no ONNX operator",
 }
 
@@ -58,7 +59,9 @@ def translation_table() -> Dict[Callable, Callable]:
     DCNv4 are an exact depthwise ``DeformConv`` (group = channels, a weight of ones, offset group = the op's group,
     the aggregation weights as the mask, the offsets reordered to (dy, dx) row-major taps with offset_scale applied);
     multi-scale deformable attention is one ``GridSample`` a level (align_corners=0, zeros: its definition) weighted
-    and summed. Deformable RoI pooling has no exact decomposition here and raises."""
+    and summed; deformable RoI pooling with sampling_ratio > 0 is one ``GridSample`` over each RoI's image
+    (align_corners=1, border: RoIAlign's clamping) masked and averaged. Adaptive sampling and the position-sensitive
+    variant raise."""
     from onnxscript import opset19 as op
 
     def deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation, backend):
@@ -88,10 +91,19 @@ def translation_table() -> Dict[Callable, Callable]:
         return _msda_as_grid_sample(op, value, spatial_shapes, level_start_index, sampling_locations,
                                     attention_weights)
 
+    def deform_roi_pool(input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend):
+        if sampling_ratio <= 0:
+            raise NotImplementedError(
+                "deformconv.deform_roi_pool with sampling_ratio=0 cannot be exported to ONNX: each bin then takes "
+                "ceil(roi size / bins) samples along each axis, a number that depends on the RoIs' values, which no "
+                "static ONNX graph reproduces exactly (set the module's sampling_ratio > 0, e.g. 2, to export)")
+        return _roi_pool_as_grid_sample(op, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma)
+
     table: Dict[Callable, Callable] = {torch.ops.deformconv.deform_conv2d.default: deform_conv2d,
                                        torch.ops.deformconv.dcnv3.default: dcnv3,
                                        torch.ops.deformconv.dcnv4.default: dcnv4,
-                                       torch.ops.deformconv.ms_deform_attn.default: ms_deform_attn}
+                                       torch.ops.deformconv.ms_deform_attn.default: ms_deform_attn,
+                                       torch.ops.deformconv.deform_roi_pool.default: deform_roi_pool}
     for name, why in _NO_EXPORT.items():
         def refuse(*args, _why=why, _name=name, **kwargs):
             raise NotImplementedError(f"deformconv.{_name} cannot be exported to ONNX: {_why} and no exact "
@@ -163,6 +175,65 @@ def _msda_as_grid_sample(op, value, spatial_shapes, level_start_index, sampling_
     out = op.Reshape(out, op.Concat(op.Constant(value_ints=[-1, n_heads * head_dim]),
                                     op.Shape(out, start=2, end=3), axis=0))  # [N, M·D, Lq]
     return op.Transpose(out, perm=[0, 2, 1])
+
+
+def _roi_pool_as_grid_sample(op, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma):
+    """Deformable RoI pooling with a fixed sample grid (g = sampling_ratio along each axis) as one GridSample over
+    each RoI's image: align_corners=1 and border padding clamp a sample into the image as RoIAlign does, a mask
+    zeroes the samples outside [-1, size], and each bin is the mean of its g² samples."""
+    ph, pw = output_size
+    g = sampling_ratio
+
+    def column(k):  # rois[:, k] as [R, 1, 1, 1, 1]
+        return op.Reshape(op.Gather(rois, op.Constant(value_int=k), axis=1), op.Constant(value_ints=[-1, 1, 1, 1, 1]))
+
+    def const(v, like):
+        return op.CastLike(op.Constant(value_float=float(v)), like)
+
+    half, scale = const(0.5, rois), const(spatial_scale, rois)
+    x1 = op.Sub(op.Mul(column(1), scale), half)
+    y1 = op.Sub(op.Mul(column(2), scale), half)
+    roi_w = op.Sub(op.Sub(op.Mul(column(3), scale), half), x1)
+    roi_h = op.Sub(op.Sub(op.Mul(column(4), scale), half), y1)
+    # sample (i, iy, j, ix) of bin (i, j): along y, i + (iy + 0.5) / g bins from the start; likewise x
+    steps_y = [[[[i + (iy + 0.5) / g]] for iy in range(g)] for i in range(ph)]  # [ph, g, 1, 1]
+    steps_x = [[(j + (ix + 0.5) / g) for ix in range(g)] for j in range(pw)]     # [pw, g]
+    import numpy as np
+    from onnxscript import ir
+
+    sy = op.CastLike(op.Constant(value=ir.tensor(np.array(steps_y, np.float32))), rois)
+    sx = op.CastLike(op.Constant(value=ir.tensor(np.array(steps_x, np.float32))), rois)
+    y = op.Add(y1, op.Mul(sy, op.Div(roi_h, const(ph, rois))))  # [R, ph, g, 1, 1]
+    x = op.Add(x1, op.Mul(sx, op.Div(roi_w, const(pw, rois))))  # [R, 1, 1, pw, g]
+    if offset is not None:  # bin (i, j) moves by gamma · (roi_w, roi_h) · offset[:, :, i, j]
+        off = op.CastLike(offset, rois)
+        ox = op.Unsqueeze(op.Gather(off, op.Constant(value_int=0), axis=1), op.Constant(value_ints=[2, 4]))
+        oy = op.Unsqueeze(op.Gather(off, op.Constant(value_int=1), axis=1), op.Constant(value_ints=[2, 4]))
+        x = op.Add(x, op.Mul(op.Mul(const(gamma, rois), roi_w), ox))  # [R, ph, 1, pw, g]
+        y = op.Add(y, op.Mul(op.Mul(const(gamma, rois), roi_h), oy))
+    both = op.Shape(op.Add(y, x))  # [R, ph, g, pw, g]
+    y, x = op.Expand(y, both), op.Expand(x, both)
+    size = op.Cast(op.Shape(input, start=2, end=4), to=ir.DataType.FLOAT)  # (H, W)
+    h = op.CastLike(op.Gather(size, op.Constant(value_int=0), axis=0), rois)
+    w = op.CastLike(op.Gather(size, op.Constant(value_int=1), axis=0), rois)
+    minus_one = const(-1.0, rois)
+    valid = op.And(op.And(op.GreaterOrEqual(y, minus_one), op.LessOrEqual(y, h)),
+                   op.And(op.GreaterOrEqual(x, minus_one), op.LessOrEqual(x, w)))
+    one = const(1.0, rois)
+    gx = op.Sub(op.Mul(op.Div(x, op.Max(op.Sub(w, one), one)), const(2.0, rois)), one)  # align_corners=1
+    gy = op.Sub(op.Mul(op.Div(y, op.Max(op.Sub(h, one), one)), const(2.0, rois)), one)
+    grid = op.Concat(op.Unsqueeze(gx, op.Constant(value_ints=[-1])), op.Unsqueeze(gy, op.Constant(value_ints=[-1])),
+                     axis=-1)
+    grid = op.Reshape(grid, op.Constant(value_ints=[-1, ph * g, pw * g, 2]))
+    batch = op.Cast(op.Gather(rois, op.Constant(value_int=0), axis=1), to=ir.DataType.INT64)
+    feats = op.Gather(input, batch, axis=0)  # [R, C, H, W]
+    sampled = op.GridSample(feats, op.CastLike(grid, feats), align_corners=1, mode="bilinear",
+                            padding_mode="border")  # [R, C, ph·g, pw·g]
+    keep = op.CastLike(op.Reshape(valid, op.Constant(value_ints=[-1, 1, ph * g, pw * g])), sampled)
+    bins = op.Concat(op.Constant(value_ints=[-1]), op.Shape(sampled, start=1, end=2),
+                     op.Constant(value_ints=[ph, g, pw, g]), axis=0)
+    pooled = op.Reshape(op.Mul(sampled, keep), bins)  # [R, C, ph, g, pw, g]
+    return op.ReduceMean(pooled, op.Constant(value_ints=[3, 5]), keepdims=0)
 
 
 def export(model: torch.nn.Module, args: tuple, path: str | os.PathLike, *, opset: int = OPSET,
