@@ -74,6 +74,21 @@ def custom_op_decomposition_disabled() -> bool:
     return not getattr(torch._functorch.config, "decompose_custom_triton_ops", True)
 
 
+def onnx_export_flag():
+    """A callable telling whether torch.onnx's dynamo-based exporter is tracing, read at every deform_conv2d call:
+    the exporter's own flag where this torch has it (torch.onnx.is_in_onnx_export imports two modules a call, over a
+    microsecond), else the public function."""
+    import torch
+
+    try:
+        from torch.onnx._internal.exporter import _flags
+    except ImportError:
+        return torch.onnx.is_in_onnx_export
+    if not hasattr(_flags, "_is_onnx_exporting"):
+        return torch.onnx.is_in_onnx_export
+    return lambda: _flags._is_onnx_exporting
+
+
 def register_op_kernels(qualname: str, kernels: list) -> None:
     """Tell torch which Triton kernels an op's decomposition launches, as torch.library.triton_op does: AOTAutograd's
     cache keys then include their source, so an edited kernel is never served from a stale compiled graph."""

@@ -193,10 +193,10 @@ deform_conv2d_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _decomposes(args: tuple, input_index: int, backend: str) -> bool:
-    """With DEFORMCONV_COMPILE_KERNELS=1, on the Triton backend on CUDA (wrap_triton does not trace the interpreter's
-    kernels), and with static shapes: the launchers plan with Python integers (a symbolic
-    size, from dynamic=True or a recompile for a new shape, keeps the op opaque: its plans are then made per call,
-    cached per shape, as in eager)."""
+    """Whether a call decomposes: DEFORMCONV_COMPILE_KERNELS=1, the Triton backend on CUDA (wrap_triton does not
+    trace the interpreter's kernels), static shapes (the launchers plan with Python integers; a symbolic size, from
+    dynamic=True or a recompile for a new shape, keeps the op opaque, its plans then made per call and cached per
+    shape as in eager), and a non-empty batch."""
     if not config.compile_kernels():
         return False
     input = args[input_index]

@@ -21,7 +21,10 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .compat import onnx_export_flag
+
 OPSET = 19  # the first opset with DeformConv
+_exporting = onnx_export_flag()
 
 _NO_EXPORT = {
     "deform_psroi_pool": "deformable position-sensitive RoI pooling has no ONNX operator",
@@ -49,7 +52,7 @@ def symbolic_deform_conv2d(input: Tensor, offset: Tensor, weight: Tensor, bias: 
 def emits_symbolic() -> bool:
     """Whether a call should emit the ONNX node itself: inside the dynamo-based exporter (not the TorchScript one,
     which traces and uses the registered symbolic)."""
-    return (torch.onnx.is_in_onnx_export() and not torch.jit.is_tracing()
+    return (_exporting() and not torch.jit.is_tracing()
             and getattr(torch.onnx, "ops", None) is not None and hasattr(torch.onnx.ops, "symbolic"))
 
 

@@ -96,7 +96,6 @@ class Launch:
             self.tail = tuple(self.meta[n] for n in names)
             self.runner = compiled[self.grid]
 
-
     def traced_meta(self) -> dict:
         """The meta arguments as a traced launch passes them: without a register cap (maxnreg), which Inductor's
         launch of a user kernel has no place for (the kernel is compiled without it: more registers, same result)."""
