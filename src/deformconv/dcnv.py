@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .eager import run_eager
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
 
@@ -103,9 +104,10 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
                  group_channels, offset_scale, remove_center)
     _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
     _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
-    return torch.ops.deformconv.dcnv3(input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad),
-                                      list(geo.dilation), geo.group, geo.group_channels, geo.offset_scale,
-                                      geo.remove_center, _backend(backend))
+    args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
+            geo.group_channels, geo.offset_scale, geo.remove_center, _backend(backend))
+    out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
+    return out if out is not None else torch.ops.deformconv.dcnv3(*args)
 
 
 def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int, stride_w: int, pad_h: int,
@@ -139,9 +141,10 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
                  group_channels, offset_scale, remove_center)
     _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
                   last_at_least=True)
-    return torch.ops.deformconv.dcnv4(input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad),
-                                      list(geo.dilation), geo.group, geo.group_channels, geo.offset_scale,
-                                      geo.remove_center, _backend(backend))
+    args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
+            geo.group_channels, geo.offset_scale, geo.remove_center, _backend(backend))
+    out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)
+    return out if out is not None else torch.ops.deformconv.dcnv4(*args)
 
 
 class DCNv3Function:

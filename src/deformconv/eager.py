@@ -1,11 +1,12 @@
-"""The eager fast path: the op's forward and backward without the custom-op dispatcher.
+"""The eager fast path: the ops' forward and backward without the custom-op dispatcher.
 
-Going through ``torch.ops.deformconv.deform_conv2d`` costs a few hundred microseconds of Python per
-training step (dispatcher, autograd wrapper, aliasing checks), more than the kernels themselves at small
-shapes. In plain eager calls the public function runs the same ``forward_impl``/``backward_impl`` through
-this ``autograd.Function`` instead. Everything else (torch.compile, torch.export, jit tracing, autocast,
-tensor subclasses such as FakeTensor, functorch transforms, dispatch and function modes, devices other
-than CPU and CUDA) keeps the registered op, which those systems need to see.
+Going through ``torch.ops.deformconv.*`` costs a few hundred microseconds of Python per training step (dispatcher,
+autograd wrapper, aliasing checks), more than the kernels themselves at small shapes. In plain eager calls (under
+autocast too, the inputs cast as the op's autocast rule casts them) the public functions run the same
+implementations through an ``autograd.Function`` instead: ``DeformConv2dFunction`` for deform_conv2d, ``run_eager``
+for the other ops. Everything else (torch.compile, torch.export, jit tracing, tensor subclasses such as FakeTensor,
+functorch transforms, dispatch and function modes, devices other than CPU and CUDA) keeps the registered op, which
+those systems need to see.
 """
 
 from __future__ import annotations
@@ -69,3 +70,51 @@ class DeformConv2dFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out):
         return input_grads(ctx, grad_out, backward_impl, pass_kept=True)
+
+
+class _EagerOp(torch.autograd.Function):
+    """The new ops' eager fast path (run_eager): their forward and backward implementations around one autograd node,
+    without the custom-op dispatcher. Arguments: forward(*args) -> out; backward(grad_out, *args, needs) -> the
+    gradients of the args at `differentiable` (needs: which of those are asked for); then the op's own arguments."""
+
+    @staticmethod
+    def forward(ctx, forward, backward, differentiable, *args):
+        out = forward(*args)
+        ctx.backward_fn, ctx.differentiable = backward, differentiable
+        ctx.is_tensor = [isinstance(a, Tensor) for a in args]
+        ctx.save_for_backward(*[a for a in args if isinstance(a, Tensor)])
+        ctx.others = [None if t else a for a, t in zip(args, ctx.is_tensor)]
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        saved = iter(ctx.saved_tensors)
+        args = [next(saved) if t else a for a, t in zip(ctx.others, ctx.is_tensor)]
+        needs = [bool(ctx.needs_input_grad[3 + i]) for i in ctx.differentiable]
+        grads = [None] * len(args)
+        if any(needs):
+            for i, g in zip(ctx.differentiable, ctx.backward_fn(grad_out, *args, needs)):
+                grads[i] = g
+        return (None, None, None, *grads)
+
+
+def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tensor]:
+    """A new op's call on its eager fast path, or None where it must take the registered op (fast_path_ok says why).
+    Under autocast the floating arguments are cast as the op's autocast rule casts them (all but the indices in keep),
+    and the implementations run with autocast off, as inside the op."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    device_type = "cuda" if tensors[0].is_cuda else "cpu"
+    autocasting = torch.is_autocast_enabled(device_type)
+    if autocasting:
+        from .library import autocast_inputs
+
+        cast = autocast_inputs(args, device_type)
+        args = [a if i in keep else c for i, (a, c) in enumerate(zip(args, cast))]
+        tensors = [a for a in args if isinstance(a, Tensor)]
+    if not fast_path_ok(tensors):
+        return None
+    if autocasting:
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
+            return _EagerOp.apply(forward, backward, tuple(differentiable), *args)
+    return _EagerOp.apply(forward, backward, tuple(differentiable), *args)

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .eager import run_eager
 from .ops.dcnv3.op import BACKENDS
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
@@ -85,8 +86,10 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
                              f", got {level_start_index.tolist()}")
     if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
-    return torch.ops.deformconv.ms_deform_attn(value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64),
-                                               sampling_locations, attention_weights, backend or "")
+    args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
+            attention_weights, backend or "")
+    out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=(3,))
+    return out if out is not None else torch.ops.deformconv.ms_deform_attn(*args)
 
 
 # --- modules -------------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from .eager import run_eager
 from .ops.dcnv3.op import BACKENDS
-from .ops.roi_pool import op as _op  # noqa: F401  (registers torch.ops.deformconv.deform_roi_pool)
+from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool
 
 
 def _check_input(input) -> None:
@@ -89,8 +90,10 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
         if offset.device != input.device or not offset.is_floating_point():
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
-    return torch.ops.deformconv.deform_roi_pool(input, rois, offset, [ph, pw], float(spatial_scale),
-                                                int(sampling_ratio), float(gamma), _check_backend(backend))
+    args = (input, rois, offset, [ph, pw], float(spatial_scale), int(sampling_ratio), float(gamma),
+            _check_backend(backend))
+    out = run_eager(_op.roi_pool_forward, _op.roi_pool_backward, (0, 2), args, keep=(1,))
+    return out if out is not None else torch.ops.deformconv.deform_roi_pool(*args)
 
 
 class DeformRoIPool(nn.Module):
@@ -261,9 +264,10 @@ def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spa
         if offset.device != input.device or not offset.is_floating_point():
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
-    return torch.ops.deformconv.deform_psroi_pool(input, rois, offset, float(spatial_scale), pooled_size, output_dim,
-                                                  group_size, part_size, sample_per_part, float(trans_std),
-                                                  _check_backend(backend))
+    args = (input, rois, offset, float(spatial_scale), pooled_size, output_dim, group_size, part_size,
+            sample_per_part, float(trans_std), _check_backend(backend))
+    out = run_eager(_op.psroi_pool_forward, _op.psroi_pool_backward, (0, 2), args, keep=(1,))
+    return out if out is not None else torch.ops.deformconv.deform_psroi_pool(*args)
 
 
 class DeformPSRoIPooling(nn.Module):

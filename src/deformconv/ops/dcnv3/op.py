@@ -55,12 +55,27 @@ def _impl(input: Tensor, backend: str):
 # --- DCNv3 ---------------------------------------------------------------------------------------------
 
 
+def dcnv3_forward(input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                  remove_center, backend) -> Tensor:
+    """The op's forward (also the eager fast path's: deformconv.eager.run_eager)."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return _impl(input, backend).dcn_forward(input, offset, mask, geo)
+
+
+def dcnv3_backward(grad_out, input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                   remove_center, backend, needs):
+    """Gradients (input, offset, mask); None where needs says so."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return _impl(input, backend).dcn_backward(grad_out, input, offset, mask, geo, needs)
+
+
+
 @torch.library.custom_op("deformconv::dcnv3", mutates_args=())
 def dcnv3_op(input: Tensor, offset: Tensor, mask: Tensor, kernel: List[int], stride: List[int], pad: List[int],
              dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
              backend: str) -> Tensor:
-    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    return _impl(input, backend).dcn_forward(input, offset, mask, geo)
+    return dcnv3_forward(input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                         remove_center, backend)
 
 
 @dcnv3_op.register_fake
@@ -75,8 +90,8 @@ def dcnv3_backward_op(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Ten
                       offset_scale: float, remove_center: bool, needs: List[bool],
                       backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (input, offset, mask); one that ``needs`` does not ask for comes back empty."""
-    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    grads = _impl(input, backend).dcn_backward(grad_out, input, offset, mask, geo, needs)
+    grads = dcnv3_backward(grad_out, input, offset, mask, kernel, stride, pad, dilation, group, group_channels,
+                           offset_scale, remove_center, backend, needs)
     return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 
@@ -128,12 +143,26 @@ def join_offset_mask(offset: Tensor, mask: Tensor, group: int, points: int, chan
     return out
 
 
+def dcnv4_forward(input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                  remove_center, backend) -> Tensor:
+    """The op's forward (also the eager fast path's)."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return _impl(input, backend).dcnv4_forward(input, offset_mask, geo)
+
+
+def dcnv4_backward(grad_out, input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                   remove_center, backend, needs):
+    """Gradients (input, offset_mask); None where needs says so."""
+    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
+    return _impl(input, backend).dcnv4_backward(grad_out, input, offset_mask, geo, needs)
+
+
 @torch.library.custom_op("deformconv::dcnv4", mutates_args=())
 def dcnv4_op(input: Tensor, offset_mask: Tensor, kernel: List[int], stride: List[int], pad: List[int],
              dilation: List[int], group: int, group_channels: int, offset_scale: float, remove_center: bool,
              backend: str) -> Tensor:
-    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    return _impl(input, backend).dcnv4_forward(input, offset_mask, geo)
+    return dcnv4_forward(input, offset_mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
+                         remove_center, backend)
 
 
 @dcnv4_op.register_fake
@@ -147,8 +176,8 @@ def dcnv4_backward_op(grad_out: Tensor, input: Tensor, offset_mask: Tensor, kern
                       pad: List[int], dilation: List[int], group: int, group_channels: int, offset_scale: float,
                       remove_center: bool, needs: List[bool], backend: str) -> Tuple[Tensor, Tensor]:
     """Gradients (input, offset_mask); offset_mask's padding channels get zero. One not needed comes back empty."""
-    geo = geometry(input, kernel, stride, pad, dilation, group, group_channels, offset_scale, remove_center)
-    grads = _impl(input, backend).dcnv4_backward(grad_out, input, offset_mask, geo, needs)
+    grads = dcnv4_backward(grad_out, input, offset_mask, kernel, stride, pad, dilation, group, group_channels,
+                           offset_scale, remove_center, backend, needs)
     return tuple(g if g is not None else input.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 

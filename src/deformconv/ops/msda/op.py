@@ -21,11 +21,23 @@ def _impl(value: Tensor, backend: str):
     return kernels
 
 
+def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend) -> Tensor:
+    """The op's forward (also the eager fast path's: deformconv.eager.run_eager)."""
+    return _impl(value, backend).ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations,
+                                                        attention_weights)
+
+
+def msda_backward(grad_out, value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+                  needs):
+    """Gradients (value, sampling_locations, attention_weights); None where needs says so."""
+    return _impl(value, backend).ms_deform_attn_backward(grad_out, value, spatial_shapes, level_start_index,
+                                                         sampling_locations, attention_weights, needs)
+
+
 @torch.library.custom_op("deformconv::ms_deform_attn", mutates_args=())
 def ms_deform_attn_op(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
                       attention_weights: Tensor, backend: str) -> Tensor:
-    return _impl(value, backend).ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations,
-                                                        attention_weights)
+    return msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend)
 
 
 @ms_deform_attn_op.register_fake
@@ -39,8 +51,8 @@ def ms_deform_attn_backward_op(grad_out: Tensor, value: Tensor, spatial_shapes: 
                                sampling_locations: Tensor, attention_weights: Tensor, needs: List[bool],
                                backend: str) -> Tuple[Tensor, Tensor, Tensor]:
     """Gradients (value, sampling_locations, attention_weights); one not needed comes back empty."""
-    grads = _impl(value, backend).ms_deform_attn_backward(grad_out, value, spatial_shapes, level_start_index,
-                                                          sampling_locations, attention_weights, needs)
+    grads = msda_backward(grad_out, value, spatial_shapes, level_start_index, sampling_locations, attention_weights,
+                          backend, needs)
     return tuple(g if g is not None else value.new_empty(0) for g in grads)  # type: ignore[return-value]
 
 

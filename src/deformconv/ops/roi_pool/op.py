@@ -21,11 +21,23 @@ def _impl(input: Tensor, backend: str):
     return kernels
 
 
+def roi_pool_forward(input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend) -> Tensor:
+    """The op's forward (also the eager fast path's: deformconv.eager.run_eager)."""
+    return _impl(input, backend).deform_roi_pool_forward(input, rois, offset, output_size, spatial_scale,
+                                                         sampling_ratio, gamma)
+
+
+def roi_pool_backward(grad_out, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend,
+                      needs):
+    """Gradients (input, offset); None where not needed (or without an offset)."""
+    return _impl(input, backend).deform_roi_pool_backward(grad_out, input, rois, offset, output_size, spatial_scale,
+                                                          sampling_ratio, gamma, *needs)
+
+
 @torch.library.custom_op("deformconv::deform_roi_pool", mutates_args=())
 def deform_roi_pool_op(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size: List[int],
                        spatial_scale: float, sampling_ratio: int, gamma: float, backend: str) -> Tensor:
-    return _impl(input, backend).deform_roi_pool_forward(input, rois, offset, output_size, spatial_scale,
-                                                         sampling_ratio, gamma)
+    return roi_pool_forward(input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend)
 
 
 @deform_roi_pool_op.register_fake
@@ -38,8 +50,8 @@ def deform_roi_pool_backward_op(grad_out: Tensor, input: Tensor, rois: Tensor, o
                                 output_size: List[int], spatial_scale: float, sampling_ratio: int, gamma: float,
                                 needs: List[bool], backend: str) -> Tuple[Tensor, Tensor]:
     """Gradients (input, offset); one not needed (or without an offset) comes back empty."""
-    g_in, g_off = _impl(input, backend).deform_roi_pool_backward(grad_out, input, rois, offset, output_size,
-                                                                 spatial_scale, sampling_ratio, gamma, *needs)
+    g_in, g_off = roi_pool_backward(grad_out, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma,
+                                    backend, needs)
     return (g_in if g_in is not None else input.new_empty(0), g_off if g_off is not None else input.new_empty(0))
 
 
@@ -87,13 +99,28 @@ def _ps_impl(input: Tensor, backend: str):
     return ps_reference
 
 
+def psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
+                       sample_per_part, trans_std, backend) -> Tensor:
+    """The op's forward (also the eager fast path's)."""
+    return _ps_impl(input, backend).deform_psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size,
+                                                              output_dim, group_size, part_size, sample_per_part,
+                                                              trans_std)
+
+
+def psroi_pool_backward(grad_out, input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
+                        sample_per_part, trans_std, backend, needs):
+    """Gradients (input, offset); None where not needed (or without an offset)."""
+    return _ps_impl(input, backend).deform_psroi_pool_backward(grad_out, input, rois, offset, spatial_scale,
+                                                               pooled_size, output_dim, group_size, part_size,
+                                                               sample_per_part, trans_std, *needs)
+
+
 @torch.library.custom_op("deformconv::deform_psroi_pool", mutates_args=())
 def deform_psroi_pool_op(input: Tensor, rois: Tensor, offset: Optional[Tensor], spatial_scale: float,
                          pooled_size: int, output_dim: int, group_size: int, part_size: int, sample_per_part: int,
                          trans_std: float, backend: str) -> Tensor:
-    return _ps_impl(input, backend).deform_psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size,
-                                                              output_dim, group_size, part_size, sample_per_part,
-                                                              trans_std)
+    return psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
+                              sample_per_part, trans_std, backend)
 
 
 @deform_psroi_pool_op.register_fake
@@ -108,9 +135,8 @@ def deform_psroi_pool_backward_op(grad_out: Tensor, input: Tensor, rois: Tensor,
                                   part_size: int, sample_per_part: int, trans_std: float, needs: List[bool],
                                   backend: str) -> Tuple[Tensor, Tensor]:
     """Gradients (input, offset); one not needed (or without an offset) comes back empty."""
-    g_in, g_off = _ps_impl(input, backend).deform_psroi_pool_backward(
-        grad_out, input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
-        sample_per_part, trans_std, *needs)
+    g_in, g_off = psroi_pool_backward(grad_out, input, rois, offset, spatial_scale, pooled_size, output_dim,
+                                      group_size, part_size, sample_per_part, trans_std, backend, needs)
     return (g_in if g_in is not None else input.new_empty(0), g_off if g_off is not None else input.new_empty(0))
 
 

@@ -1,0 +1,67 @@
+"""The new ops' eager fast path (deformconv.eager.run_eager): plain eager calls skip the custom-op dispatcher and
+give the registered op's results and gradients exactly, plainly and under autocast; calls the op must see (here
+under a TorchDispatchMode) still take it."""
+
+import contextlib
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import deformconv
+
+
+class _Seen(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _calls():
+    """(name, function of the leaves, leaves) for each new op, fresh random signed inputs."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 6, 6)
+    dcn = (torch.randn(2, 5, 6, 2 * 9 * 2), torch.rand(2, 5, 6, 2 * 9))
+    shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])
+    rois = torch.tensor([[0, 1.0, 1.0, 9.0, 7.0], [1, 0.0, 2.0, 11.0, 11.0]])
+    return [
+        ("dcnv3", lambda x, o, m: deformconv.dcnv3(x, o, m, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0),
+         [torch.randn(2, 5, 6, 6), *dcn]),
+        ("dcnv4", lambda x, om: deformconv.dcnv4(x, om, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0),
+         [torch.randn(2, 5, 6, 6), torch.randn(2, 5, 6, 56)]),
+        ("ms_deform_attn", lambda v, loc, a: deformconv.ms_deform_attn(v, shapes, starts, loc, a),
+         [torch.randn(2, 26, 2, 3), torch.rand(2, 4, 2, 2, 3, 2), torch.rand(2, 4, 2, 2, 3)]),
+        ("deform_roi_pool", lambda x, o: deformconv.deform_roi_pool(x, rois, o, 2, 0.5, 2),
+         [x, torch.randn(2, 2, 2, 2)]),
+        ("deform_psroi_pool", lambda x, o: deformconv.deform_psroi_pool(x[:, :4], rois, o, 0.5, 2, 4, False,
+                                                                         sample_per_part=2, trans_std=0.1),
+         [x, torch.randn(2, 2, 2, 2)]),
+    ]
+
+
+def _run(fn, leaves):
+    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
+    return out, grads
+
+
+@pytest.mark.parametrize("name,fn,leaves", _calls(), ids=[c[0] for c in _calls()])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast-bf16"])
+def test_fast_path_equals_the_op_and_skips_the_dispatcher(name, fn, leaves, autocast):
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    with ctx():
+        out, grads = _run(fn, leaves)
+        assert type(out.grad_fn).__name__ == "_EagerOpBackward", type(out.grad_fn).__name__
+        seen = _Seen()
+        with seen:  # a dispatch mode: the registered op
+            op_out, op_grads = _run(fn, leaves)
+    assert any(f"deformconv.{name}" in op for op in seen.ops), seen.ops[:5]
+    assert out.dtype == op_out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(out, op_out, atol=0, rtol=0)
+    for g, og in zip(grads, op_grads):
+        torch.testing.assert_close(g, og, atol=0, rtol=0)
