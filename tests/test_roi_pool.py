@@ -243,7 +243,41 @@ def test_psroi_gradcheck_module_and_errors():
     with pytest.raises(ValueError, match="multiple of the offset's classes"):
         deformconv.deform_psroi_pool(torch.randn(2, 3, 9, 11, dtype=torch.float64), rois,
                                      torch.zeros(3, 4, 2, 2, dtype=torch.float64), 0.5, 2, 3, False)
-    with pytest.raises(NotImplementedError, match="no Triton kernels"):
-        deformconv.deform_psroi_pool(x[:, :2], rois, None, 0.5, 2, 2, True, backend="triton")
     torch.library.opcheck(torch.ops.deformconv.deform_psroi_pool.default,
                           (leaves[0], rois, leaves[1], 0.5, 2, 2, 1, 2, 2, 0.3, ""))
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("no_trans,G,P,part,S", [(False, 2, 3, 2, 2), (True, 3, 3, 3, 1), (False, 1, 4, 4, 3)])
+def test_psroi_triton_matches_the_reference(dtype, no_trans, G, P, part, S):
+    x, rois, offset = _ps_case(seed=4, G=G, P=P, part=part)
+    x, offset = x.to(dtype).double(), offset.to(dtype).double()  # the reference gets the rounded inputs
+    args = (0.5, P, 6, no_trans, G, part, S, 0.2)
+    gout = torch.randn(len(PS_ROIS), 6, P, P, dtype=torch.float64)
+    off = None if no_trans else offset
+    ours = _grads(lambda x, r, o: deformconv.deform_psroi_pool(x, r, o, *args, backend="triton"), x.to(dtype),
+                  rois.float(), None if off is None else off.to(dtype), gout)
+    ref = _grads(lambda x, r, o: deformconv.deform_psroi_pool(x, r, o, *args, backend="reference"), x,
+                 rois.float().double(), off, gout)
+    assert ours[0].dtype == dtype
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
+        assert_close(a, b, dtype, what)
+
+
+@requires_interpreter
+def test_psroi_triton_deterministic_mode_is_reproducible_and_right():
+    x, rois, offset = _ps_case(seed=5)
+    args = (0.5, 3, 6, False, 2, 2, 2, 0.2)
+    gout = torch.randn(len(PS_ROIS), 6, 3, 3, dtype=torch.float64)
+    fn = lambda x, r, o: deformconv.deform_psroi_pool(x, r, o, *args, backend="triton")  # noqa: E731
+    torch.use_deterministic_algorithms(True)
+    try:
+        runs = [_grads(fn, x.float(), rois.float(), offset.float(), gout) for _ in range(2)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert torch.equal(runs[0][1], runs[1][1]) and torch.equal(runs[0][2], runs[1][2])
+    ref = _grads(lambda x, r, o: deformconv.deform_psroi_pool(x, r, o, *args, backend="reference"),
+                 x.float().double(), rois.float().double(), offset.float().double(), gout)
+    assert_close(runs[0][1], ref[1], torch.float32, "grad_input")
+    assert_close(runs[0][2], ref[2], torch.float32, "grad_offset")

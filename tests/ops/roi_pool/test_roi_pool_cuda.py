@@ -73,3 +73,28 @@ def test_deterministic_grad_input_is_bitwise_reproducible():
     finally:
         torch.use_deterministic_algorithms(False)
     assert torch.equal(a[1], b[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("no_trans", [False, True], ids=["offsets", "no-trans"])
+def test_position_sensitive_against_the_reference(dtype, no_trans):
+    """R-FCN-like: 7x7 bins, group_size 7, 21 classes of offsets (class-specific), 2 samples a part."""
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    O, P, G, classes = 42, 7, 7, 21
+    x = torch.randn(2, O * G * G, 38, 50, device="cuda", generator=gen, dtype=torch.float64)
+    rois = _case("fpn-p5-adaptive", seed=5)[1][:64] * (1 / 32) * 16  # boxes across a 16x-strided map
+    rois[:, 0] = torch.randint(0, 2, (64,), device="cuda", generator=gen).double()
+    offset = torch.randn(64, 2 * classes, P, P, device="cuda", generator=gen, dtype=torch.float64)
+    gout = torch.randn(64, O, P, P, device="cuda", dtype=torch.float64)
+    res = {}
+    for backend in ("triton", "reference"):
+        work = torch.float64 if backend == "reference" else dtype
+        leaves = [x.to(dtype).to(work).requires_grad_(True), offset.to(dtype).to(work).requires_grad_(True)]
+        y = deformconv.deform_psroi_pool(leaves[0], rois.float().to(torch.float64 if backend == "reference" else
+                                                                     torch.float32),
+                                         None if no_trans else leaves[1], 1 / 16, P, O, no_trans, G, P, 2, 0.1,
+                                         backend=backend)
+        wrt = leaves[:1] if no_trans else leaves
+        res[backend] = [y, *torch.autograd.grad(y, wrt, gout.to(y.dtype))]
+    for what, a, b in zip(("output", "grad_input", "grad_offset"), res["triton"], res["reference"]):
+        assert_close(a, b, dtype, what)

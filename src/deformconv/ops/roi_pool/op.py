@@ -89,14 +89,13 @@ register_autocast(["deform_roi_pool"], keep=(1,))
 
 
 def _ps_impl(input: Tensor, backend: str):
-    """The reference on every device: the variant has no Triton kernels yet."""
-    if backend == "triton":
-        raise NotImplementedError("deform_psroi_pool has no Triton kernels yet: backend='reference' (or None) runs it, "
-                                  "on any device")
-    select(input.device, input.dtype, backend or "reference")  # unknown names raise here
-    from . import ps_reference
+    if select(input.device, input.dtype, backend) == "reference":
+        from . import ps_reference
 
-    return ps_reference
+        return ps_reference
+    from . import ps_triton
+
+    return ps_triton
 
 
 def psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
