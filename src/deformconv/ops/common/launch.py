@@ -102,6 +102,20 @@ class Launch:
         return {k: v for k, v in self.meta.items() if k != "maxnreg"}
 
 
+def run_cached(fn, grid: tuple, tensors: Sequence[Tensor], args: tuple, meta: dict) -> None:
+    """fn[grid](*tensors, *args, **meta) through a Launch kept for exactly this call signature: the grid, every
+    runtime argument and meta-parameter, and each tensor's dtype, device and 16-byte alignment (all that Triton
+    specialises on). Later calls relaunch the compiled kernel directly (Launch). For the kernels whose plans are this
+    simple (one launch a call, no config choice)."""
+    key = (fn, tuple(grid), tuple(args), tuple(sorted(meta.items())),
+           tuple((t.dtype, t.device, aligned16(t)) for t in tensors))
+    cache = options.cache("launches")
+    run = cache.get(key)
+    if run is None:
+        run = remember(cache, key, Launch(fn, grid, args, meta))
+    run(*tensors)
+
+
 def tma_supported(device: torch.device) -> bool:
     """Whether the kernels can read tiles through TMA descriptors on this device (Config.tma): a GPU of compute
     capability 9.0 or later (the Tensor Memory Accelerator), or the CPU, where Triton's interpreter emulates them;

@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
+from ..common.launch import run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
 
@@ -191,7 +192,7 @@ def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], ge
     x = input.contiguous()
     out = torch.empty(geo.batch, geo.out_h, geo.out_w, geo.channels, dtype=input.dtype, device=input.device)
     meta = _meta(geo)
-    _dcn_fwd_kernel[_grid(geo, meta)](x, off, msk, out, *_args(x, geo, strides), **meta)
+    run_cached(_dcn_fwd_kernel, _grid(geo, meta), (x, off, msk, out), _args(x, geo, strides), meta)
     return out
 
 
@@ -208,10 +209,10 @@ def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides
         if fixed:  # a contribution is go · weight · (bilinear weight <= 1); Ho·Wo·K of them reach one element
             scales = scales_for(max_abs(go) * max_abs(msk) * (geo.out_h * geo.out_w * geo.points))
     meta = _meta(geo)
-    _dcn_bwd_kernel[_grid(geo, meta)](
-        x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
-        gmsk if gmsk is not None else msk, scales[0] if fixed else off, *_args(x, geo, strides),
-        NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed, **meta)
+    tensors = (x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
+               gmsk if gmsk is not None else msk, scales[0] if fixed else off)
+    run_cached(_dcn_bwd_kernel, _grid(geo, meta), tensors, _args(x, geo, strides),
+               dict(meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed))
     if gin is None:
         return None
     if fixed:

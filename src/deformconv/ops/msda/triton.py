@@ -18,6 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
+from ..common.launch import run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -166,7 +167,7 @@ def _setup(value: Tensor, sampling_locations: Tensor):
     block_q, block_d = _blocks(d)
     grid = (triton.cdiv(n * lq, block_q), m)
     meta = dict(D=d, L=levels, P=points, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=4)
-    return grid, (n * lq, lq, s, m), meta
+    return grid, (n * lq, lq, s, m), meta  # (the sizes: the kernels' runtime arguments)
 
 
 def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
@@ -178,8 +179,9 @@ def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_in
     if out.numel() == 0:
         return out
     grid, sizes, meta = _setup(value, sampling_locations)
-    _msda_fwd_kernel[grid](value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
-                           sampling_locations.contiguous(), attention_weights.contiguous(), out, *sizes, **meta)
+    tensors = (value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
+               sampling_locations.contiguous(), attention_weights.contiguous(), out)
+    run_cached(_msda_fwd_kernel, grid, tensors, sizes, meta)
     return out
 
 
@@ -199,11 +201,11 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
         scales = scales_for(max_abs(go) * max_abs(attn) * (loc.shape[1] * loc.shape[4]))
     if go.numel() and v.numel():
         grid, sizes, meta = _setup(v, loc)
-        _msda_bwd_kernel[grid](
-            v, spatial_shapes.contiguous(), level_start_index.contiguous(), loc, attn, go,
-            gv if gv is not None else v, gloc if gloc is not None else loc, gattn if gattn is not None else attn,
-            scales[0] if fixed else attn, *sizes, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed,
-            **meta)
+        tensors = (v, spatial_shapes.contiguous(), level_start_index.contiguous(), loc, attn, go,
+                   gv if gv is not None else v, gloc if gloc is not None else loc,
+                   gattn if gattn is not None else attn, scales[0] if fixed else attn)
+        run_cached(_msda_bwd_kernel, grid, tensors, sizes,
+                   dict(meta, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed))
     if gv is not None:
         gv = (gv.double() * scales[1].double()).to(value.dtype) if fixed else gv.to(value.dtype)
     return gv, gloc, gattn

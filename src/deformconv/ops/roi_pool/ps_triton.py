@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
+from ..common.launch import run_cached
 from ..common.sampling import scatter_add
 
 TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_O of a program
@@ -208,9 +209,8 @@ def deform_psroi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tens
     meta = _meta(pooled_size, output_dim, group_size, part_size, sample_per_part, offset is not None)
     classes = offset.shape[1] // 2 if offset is not None else 1
     off = offset.contiguous() if offset is not None else rois
-    _psroi_fwd_kernel[(R, triton.cdiv(output_dim, meta["BLOCK_O"]))](
-        input, rois.contiguous(), off, out, N, H, W, *input.stride(), output_dim, classes, float(spatial_scale),
-        float(trans_std), **meta)
+    run_cached(_psroi_fwd_kernel, (R, triton.cdiv(output_dim, meta["BLOCK_O"])), (input, rois.contiguous(), off, out),
+               (N, H, W, *input.stride(), output_dim, classes, float(spatial_scale), float(trans_std)), meta)
     return out
 
 
@@ -248,10 +248,11 @@ def deform_psroi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, of
         meta = _meta(pooled_size, output_dim, group_size, part_size, sample_per_part, offset is not None)
         classes = offset.shape[1] // 2 if offset is not None else 1
         off = offset.contiguous() if offset is not None else rois
-        _psroi_bwd_kernel[(R, triton.cdiv(output_dim, meta["BLOCK_O"]))](
-            input, rois.contiguous(), off, go, gin if gin is not None else go, goff if goff is not None else go,
-            scales[0] if fixed else go, N, H, W, *input.stride(), output_dim, classes, float(spatial_scale),
-            float(trans_std), NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed, **meta)
+        tensors = (input, rois.contiguous(), off, go, gin if gin is not None else go,
+                   goff if goff is not None else go, scales[0] if fixed else go)
+        run_cached(_psroi_bwd_kernel, (R, triton.cdiv(output_dim, meta["BLOCK_O"])), tensors,
+                   (N, H, W, *input.stride(), output_dim, classes, float(spatial_scale), float(trans_std)),
+                   dict(meta, NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed))
     if gin is not None:
         gin = (gin.double() * scales[1].double()).to(input.dtype) if fixed else gin.to(input.dtype)
     if goff is not None:

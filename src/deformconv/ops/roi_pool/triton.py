@@ -17,6 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
+from ..common.launch import run_cached
 from ..common.sampling import scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -202,8 +203,8 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
         return out.zero_()
     meta = _meta(output_size, C, sampling_ratio, offset is not None)
     off = offset.contiguous() if offset is not None else rois
-    _roi_pool_fwd_kernel[(R, triton.cdiv(C, meta["BLOCK_C"]))](
-        input, rois.contiguous(), off, out, N, C, H, W, *input.stride(), float(spatial_scale), float(gamma), **meta)
+    run_cached(_roi_pool_fwd_kernel, (R, triton.cdiv(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
+               (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)), meta)
     return out
 
 
@@ -225,10 +226,11 @@ def deform_roi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offs
     if R and C and N * H * W and (need_input or need_offset):
         meta = _meta(output_size, C, sampling_ratio, offset is not None)
         off = offset.contiguous() if offset is not None else rois
-        _roi_pool_bwd_kernel[(R,)](
-            input, rois.contiguous(), off, go, gin if gin is not None else go, goff if goff is not None else go,
-            scales[0] if fixed else go, N, C, H, W, *input.stride(), float(spatial_scale), float(gamma),
-            NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed, **meta)
+        tensors = (input, rois.contiguous(), off, go, gin if gin is not None else go,
+                   goff if goff is not None else go, scales[0] if fixed else go)
+        run_cached(_roi_pool_bwd_kernel, (R,), tensors, (N, C, H, W, *input.stride(), float(spatial_scale),
+                                                         float(gamma)),
+                   dict(meta, NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed))
     g_in = None
     if gin is not None:
         g_in = (gin.double() * scales[1].double()) if fixed else gin
