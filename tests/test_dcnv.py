@@ -305,7 +305,7 @@ def test_triton_points_outside_or_nan_count_nowhere(value):
 
 
 def test_automatic_backend_and_errors():
-    from deformconv.ops.dcnv3.op import select
+    from deformconv.backends import select_op_backend as select
 
     assert select(torch.device("cpu"), torch.float32, "") == "reference"
     assert select(torch.device("cpu"), torch.float64, "reference") == "reference"

@@ -183,6 +183,34 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} (or None for automatic), got {name!r}") from None
 
 
+# The other ops (DCNv3/DCNv4, multi-scale deformable attention, RoI pooling) have a Triton backend, which runs where
+# deform_conv2d's does, and a reference.
+OP_BACKENDS: Sequence[str] = ("triton", "reference")
+
+
+def op_backend_name(backend: Optional[str]) -> str:
+    """A public function's backend= for the other ops as their op takes it ("" for None); an unknown name raises."""
+    if backend is not None and backend not in OP_BACKENDS:
+        raise ValueError(f"backend must be one of {list(OP_BACKENDS)} (or None for automatic), got {backend!r}")
+    return backend or ""
+
+
+def select_op_backend(device: torch.device, dtype: torch.dtype, requested: str) -> str:
+    """The backend that runs a call of one of the other ops: the one requested (which must be able to), else the Triton
+    kernels where they run automatically (CUDA; fp16, bf16, fp32), else the reference."""
+    triton_reasons = BACKENDS["triton"].not_supported_reasons(device, dtype)
+    if requested == "triton":
+        if triton_reasons:
+            raise RuntimeError(f"backend='triton' cannot run on device {device} with dtype {dtype}: "
+                               + "; ".join(triton_reasons))
+        return "triton"
+    if requested == "reference":
+        return "reference"
+    if requested:
+        raise ValueError(f"backend must be one of {list(OP_BACKENDS)} (or None for automatic), got {requested!r}")
+    return "triton" if not triton_reasons and BACKENDS["triton"].automatic(device) else "reference"
+
+
 def not_supported_reasons(device: torch.device, dtype: torch.dtype) -> Dict[str, List[str]]:
     """For every backend, why it cannot run this (device, dtype): an empty list means it can."""
     return {name: BACKENDS[name].not_supported_reasons(device, dtype) for name in PRIORITY}

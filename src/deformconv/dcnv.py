@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .backends import op_backend_name
 from .eager import run_eager
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
@@ -60,12 +61,6 @@ def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_l
         raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
 
 
-def _backend(backend: Optional[str]) -> str:
-    if backend is not None and backend not in _op.BACKENDS:
-        raise ValueError(f"backend must be one of {list(_op.BACKENDS)} (or None for automatic), got {backend!r}")
-    return backend or ""
-
-
 def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int, stride_w: int,
           pad_h: int, pad_w: int, dilation_h: int, dilation_w: int, group: int, group_channels: int,
           offset_scale: float, im2col_step: int = 256, remove_center: bool = False, *,
@@ -105,7 +100,7 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
     _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
     _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
     args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
-            geo.group_channels, geo.offset_scale, geo.remove_center, _backend(backend))
+            geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
     return out if out is not None else torch.ops.deformconv.dcnv3(*args)
 
@@ -142,7 +137,7 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
     _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
                   last_at_least=True)
     args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
-            geo.group_channels, geo.offset_scale, geo.remove_center, _backend(backend))
+            geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)
     return out if out is not None else torch.ops.deformconv.dcnv4(*args)
 

@@ -109,8 +109,7 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
     if autocasting:
         from .library import autocast_inputs
 
-        cast = autocast_inputs(args, device_type)
-        args = [a if i in keep else c for i, (a, c) in enumerate(zip(args, cast))]
+        args = autocast_inputs(args, device_type, keep)
         tensors = [a for a in args if isinstance(a, Tensor)]
     if not fast_path_ok(tensors):
         return None

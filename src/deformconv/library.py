@@ -257,8 +257,9 @@ _register_decompositions()
 _lib = torch.library.Library("deformconv", "FRAGMENT")
 
 
-def autocast_inputs(args, device_type: str) -> list:
-    """args with every floating tensor on device_type, other than float64, cast to the active autocast dtype."""
+def autocast_inputs(args, device_type: str, keep=()) -> list:
+    """args with every floating tensor on device_type, other than float64 and those at the indices in keep, cast to
+    the active autocast dtype."""
     dtype = torch.get_autocast_dtype(device_type)
 
     def cast(v):
@@ -266,23 +267,22 @@ def autocast_inputs(args, device_type: str) -> list:
             return v.to(dtype)
         return v
 
-    return [cast(a) for a in args]
+    return [a if i in keep else cast(a) for i, a in enumerate(args)]
 
 
-def _autocast_rule(device_type: str):
-    key = torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(device_type)]
+def register_autocast(name: str, keep=()) -> None:
+    """Op ``deformconv::name``'s autocast rule on CUDA and CPU: its inputs cast by autocast_inputs (keep: indices of
+    arguments that stay as they come), then the op with autocast off."""
+    op = getattr(torch.ops.deformconv, name).default
+    for device_type in ("cuda", "cpu"):
+        key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
+        excluded = torch._C.DispatchKeySet(torch._C.DispatchKey.__members__[key])
 
-    def kernel(_keyset, *args):
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(key)):
-            return torch.ops.deformconv.deform_conv2d.default(*autocast_inputs(args, device_type))
+        def kernel(_keyset, *args, device_type=device_type, excluded=excluded):
+            with torch._C._ExcludeDispatchKeyGuard(excluded):
+                return op(*autocast_inputs(args, device_type, keep))
 
-    return kernel
+        _lib.impl(name, kernel, key, with_keyset=True)
 
 
-for _device_type in ("cuda", "cpu"):
-    _lib.impl(
-        "deform_conv2d",
-        _autocast_rule(_device_type),
-        "Autocast" + torch._C._dispatch_key_for_device(_device_type),
-        with_keyset=True,
-    )
+register_autocast("deform_conv2d")

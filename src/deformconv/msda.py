@@ -10,8 +10,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .backends import op_backend_name
 from .eager import run_eager
-from .ops.dcnv3.op import BACKENDS
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
 
@@ -84,10 +84,8 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         if not torch.equal(level_start_index.to(torch.int64), torch.cumsum(sizes, 0) - sizes):
             raise ValueError(f"level_start_index must be each level's start {(torch.cumsum(sizes, 0) - sizes).tolist()}"
                              f", got {level_start_index.tolist()}")
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
     args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
-            attention_weights, backend or "")
+            attention_weights, op_backend_name(backend))
     out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=(3,))
     return out if out is not None else torch.ops.deformconv.ms_deform_attn(*args)
 

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
+from .backends import op_backend_name
 from .eager import run_eager
-from .ops.dcnv3.op import BACKENDS
 from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool
 
 
@@ -36,12 +36,6 @@ def _check_rois(input: Tensor, rois: Tensor) -> None:
         if bool(((batch < 0) | (batch >= input.shape[0]) | (batch != batch.floor())).any()):
             raise ValueError(f"rois[:, 0] must be batch indices in [0, {input.shape[0]}), got values from "
                              f"{float(batch.min())} to {float(batch.max())}")
-
-
-def _check_backend(backend: Optional[str]) -> str:
-    if backend is not None and backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {backend!r}")
-    return backend or ""
 
 
 def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size: Union[int, Tuple[int, int]],
@@ -91,7 +85,7 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, [ph, pw], float(spatial_scale), int(sampling_ratio), float(gamma),
-            _check_backend(backend))
+            op_backend_name(backend))
     out = run_eager(_op.roi_pool_forward, _op.roi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_roi_pool(*args)
 
@@ -265,7 +259,7 @@ def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spa
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, float(spatial_scale), pooled_size, output_dim, group_size, part_size,
-            sample_per_part, float(trans_std), _check_backend(backend))
+            sample_per_part, float(trans_std), op_backend_name(backend))
     out = run_eager(_op.psroi_pool_forward, _op.psroi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_psroi_pool(*args)
 

@@ -13,11 +13,10 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
+from ...backends import select_op_backend
+from ...library import register_autocast
 from . import reference
 from .geometry import DcnGeometry
-
-BACKENDS = ("triton", "reference")
-
 
 def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_channels: int, offset_scale: float,
              remove_center: bool) -> DcnGeometry:
@@ -26,26 +25,8 @@ def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_cha
                        float(offset_scale), bool(remove_center))
 
 
-def select(device: torch.device, dtype: torch.dtype, requested: str) -> str:
-    """The backend that runs a call: the one requested (which must be able to), else the Triton kernels where they
-    run automatically (CUDA; fp16, bf16, fp32), else the reference."""
-    from ...backends import BACKENDS as CONV_BACKENDS
-
-    triton_reasons = CONV_BACKENDS["triton"].not_supported_reasons(device, dtype)
-    if requested == "triton":
-        if triton_reasons:
-            raise RuntimeError(f"backend='triton' cannot run on device {device} with dtype {dtype}: "
-                               + "; ".join(triton_reasons))
-        return "triton"
-    if requested == "reference":
-        return "reference"
-    if requested:
-        raise ValueError(f"backend must be one of {list(BACKENDS)} (or None for automatic), got {requested!r}")
-    return "triton" if not triton_reasons and CONV_BACKENDS["triton"].automatic(device) else "reference"
-
-
 def _impl(input: Tensor, backend: str):
-    if input.shape[0] == 0 or select(input.device, input.dtype, backend) == "reference":
+    if input.shape[0] == 0 or select_op_backend(input.device, input.dtype, backend) == "reference":
         return reference
     from . import triton as kernels
 
@@ -209,27 +190,5 @@ dcnv4_op.register_autograd(_backward_v4, setup_context=_setup_v4)
 
 # --- autocast: the ops run in the autocast dtype, as deform_conv2d's (library.py) ------------------------
 
-_LIBS: list = []  # the autocast registrations live as long as their Library objects
-
-
-def register_autocast(names, keep=()) -> None:
-    """The autocast rule of deformconv ops `names`: every floating input but float64 cast to the autocast dtype, except
-    the arguments at the indices in keep."""
-    from ...library import autocast_inputs
-
-    lib = torch.library.Library("deformconv", "FRAGMENT")
-    for name in names:
-        op = getattr(torch.ops.deformconv, name).default
-        for device_type in ("cuda", "cpu"):
-            key = "Autocast" + torch._C._dispatch_key_for_device(device_type)
-
-            def kernel(_keyset, *args, op=op, device_type=device_type, key=key):
-                with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.__members__[key])):
-                    cast = autocast_inputs(args, device_type)
-                    return op(*(a if i in keep else c for i, (a, c) in enumerate(zip(args, cast))))
-
-            lib.impl(name, kernel, key, with_keyset=True)
-    _LIBS.append(lib)
-
-
-register_autocast(["dcnv3", "dcnv4"])
+register_autocast("dcnv3")
+register_autocast("dcnv4")

@@ -1,6 +1,6 @@
 """The ``deformconv::ms_deform_attn`` operator: torch.library registration of the forward and backward ops, their
-fake implementations, the autograd formula and the autocast rule. ``backend`` is a name or "" (automatic, as
-DCNv3's: ops/dcnv3/op.py's select)."""
+fake implementations, the autograd formula and the autocast rule. ``backend`` is a name or "" (automatic:
+backends.select_op_backend)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ..dcnv3.op import register_autocast, select
+from ...backends import select_op_backend
+from ...library import register_autocast
 from . import reference
 
 
 def _impl(value: Tensor, backend: str):
-    if value.shape[0] == 0 or select(value.device, value.dtype, backend) == "reference":
+    if value.shape[0] == 0 or select_op_backend(value.device, value.dtype, backend) == "reference":
         return reference
     from . import triton as kernels
 
@@ -82,4 +83,4 @@ def _backward(ctx, grad_out):
 ms_deform_attn_op.register_autograd(_backward, setup_context=_setup)
 # the sampling locations stay as they come (fp32): normalised coordinates in 16 bits would be off by up to 1/256 of a
 # level's width (bf16), a pixel and more on a large level
-register_autocast(["ms_deform_attn"], keep=(3,))
+register_autocast("ms_deform_attn", keep=(3,))

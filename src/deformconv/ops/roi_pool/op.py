@@ -1,6 +1,7 @@
 """The ``deformconv::deform_roi_pool`` operator: torch.library registration of the forward and backward ops, their
 fake implementations, the autograd formula and the autocast rule (the RoIs keep their dtype: box coordinates in 16
-bits would be off by up to a pixel). ``backend`` is a name or "" (automatic, as DCNv3's)."""
+bits would be off by up to a pixel). ``backend`` is a name or "" (automatic:
+backends.select_op_backend)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..dcnv3.op import register_autocast, select
+from ...backends import select_op_backend
+from ...library import register_autocast
 from . import reference
 
 
 def _impl(input: Tensor, backend: str):
-    if select(input.device, input.dtype, backend) == "reference":
+    if select_op_backend(input.device, input.dtype, backend) == "reference":
         return reference
     from . import triton as kernels
 
@@ -82,14 +84,14 @@ def _backward(ctx, grad_out):
 
 
 deform_roi_pool_op.register_autograd(_backward, setup_context=_setup)
-register_autocast(["deform_roi_pool"], keep=(1,))
+register_autocast("deform_roi_pool", keep=(1,))
 
 
 # --- the position-sensitive variant (ps_reference.py) ---------------------------------------------------
 
 
 def _ps_impl(input: Tensor, backend: str):
-    if select(input.device, input.dtype, backend) == "reference":
+    if select_op_backend(input.device, input.dtype, backend) == "reference":
         from . import ps_reference
 
         return ps_reference
@@ -159,4 +161,4 @@ def _ps_backward(ctx, grad_out):
 
 
 deform_psroi_pool_op.register_autograd(_ps_backward, setup_context=_setup)
-register_autocast(["deform_psroi_pool"], keep=(1,))
+register_autocast("deform_psroi_pool", keep=(1,))
