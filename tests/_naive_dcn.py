@@ -6,9 +6,10 @@ import math
 import torch
 
 
-def _bilinear(img, y, x):
-    """img [H, W, D]; y, x 0-d tensors -> [D]: counted only strictly inside (-1, H) x (-1, W), each corner outside
-    the image zero."""
+def bilinear(img, y, x):
+    """img [H, W, D]; y, x 0-d tensors (pixels) -> [D]: counted only strictly inside (-1, H) x (-1, W), each corner
+    outside the image zero (DCNv3's rule, and grid_sample's with zero padding, as multi-scale deformable attention
+    samples)."""
     H, W, D = img.shape
     yf, xf = float(y.detach()), float(x.detach())
     out = img.new_zeros(D)
@@ -44,7 +45,7 @@ def naive_dcnv3(input, offset, mask, kernel_h, kernel_w, stride_h, stride_w, pad
                         dy = offset[n, oh, ow, (g * K + k) * 2 + 1]
                         y = oh * stride_h - pad_h + ch + (j * dilation_h - ch + dy) * offset_scale
                         x = ow * stride_w - pad_w + cw + (i * dilation_w - cw + dx) * offset_scale
-                        acc = acc + mask[n, oh, ow, g * K + k] * _bilinear(img, y, x)
+                        acc = acc + mask[n, oh, ow, g * K + k] * bilinear(img, y, x)
                     cells.append(acc)
                 rows.append(torch.cat(cells))
     return torch.stack(rows).reshape(N, Ho, Wo, C)

@@ -2,24 +2,9 @@
 points, bilinear sampling written out (as grid_sample with align_corners=False and zero padding), float64; gradients
 by autograd through it. Tiny sizes only."""
 
-import math
-
 import torch
 
-
-def _bilinear(img, y, x):
-    """img [H, W, D]; y, x 0-d tensors (pixels) -> [D]: corners outside the image read zero."""
-    H, W, D = img.shape
-    yf, xf = float(y.detach()), float(x.detach())
-    out = img.new_zeros(D)
-    if not (-1 < yf < H and -1 < xf < W):
-        return out
-    y0, x0 = math.floor(yf), math.floor(xf)
-    for yc, wy in ((y0, (y0 + 1) - y), (y0 + 1, y - y0)):
-        for xc, wx in ((x0, (x0 + 1) - x), (x0 + 1, x - x0)):
-            if 0 <= yc < H and 0 <= xc < W:
-                out = out + wy * wx * img[yc, xc]
-    return out
+from _naive_dcn import bilinear
 
 
 def naive_ms_deform_attn(value, spatial_shapes, level_start_index, sampling_locations, attention_weights):
@@ -38,7 +23,7 @@ def naive_ms_deform_attn(value, spatial_shapes, level_start_index, sampling_loca
                     for p in range(P):
                         x = sampling_locations[n, q, m, lvl, p, 0] * w - 0.5
                         y = sampling_locations[n, q, m, lvl, p, 1] * h - 0.5
-                        acc = acc + attention_weights[n, q, m, lvl, p] * _bilinear(img, y, x)
+                        acc = acc + attention_weights[n, q, m, lvl, p] * bilinear(img, y, x)
                 heads.append(acc)
             rows.append(torch.cat(heads))
     return torch.stack(rows).reshape(N, Lq, M * D) if rows else value.new_zeros(N, Lq, M * D)
