@@ -30,18 +30,25 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _geometry(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size, sample_per_part,
-              trans_std, ctype):
-    """Sample coordinates (y, x) [R, O, P, P, S, S], the input channel of each (o, i, j) [O, P, P], the offset's
-    (channel, part row, part col) of each (o, i, j), and the RoIs' sizes [R]."""
-    dev = rois.device
-    P, S, G = pooled_size, sample_per_part, group_size
+def roi_boxes(rois: Tensor, spatial_scale: float, ctype: torch.dtype) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(start_w, start_h, roi_w, roi_h) [R] of each RoI in input pixels: rounded (C's round), the end one pixel on, at
+    least 0.1 wide."""
     r = rois.to(ctype)
     r = torch.where(r >= 0, torch.floor(r + 0.5), torch.ceil(r - 0.5))  # C's round: halves away from zero
     start_w = r[:, 1] * spatial_scale - 0.5
     start_h = r[:, 2] * spatial_scale - 0.5
     roi_w = ((r[:, 3] + 1) * spatial_scale - 0.5 - start_w).clamp(min=0.1)
     roi_h = ((r[:, 4] + 1) * spatial_scale - 0.5 - start_h).clamp(min=0.1)
+    return start_w, start_h, roi_w, roi_h
+
+
+def _geometry(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size, sample_per_part,
+              trans_std, ctype):
+    """Sample coordinates (y, x) [R, O, P, P, S, S], the input channel of each (o, i, j) [O, P, P], the offset's
+    (channel, part row, part col) of each (o, i, j), and the RoIs' sizes [R]."""
+    dev = rois.device
+    P, S, G = pooled_size, sample_per_part, group_size
+    start_w, start_h, roi_w, roi_h = roi_boxes(rois, spatial_scale, ctype)
     bin_w, bin_h = roi_w / P, roi_h / P
     o = torch.arange(output_dim, device=dev)
     i = torch.arange(P, device=dev)

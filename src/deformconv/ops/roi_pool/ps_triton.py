@@ -19,6 +19,7 @@ from torch import Tensor
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import run_cached
 from ..common.sampling import scatter_add
+from .ps_reference import roi_boxes
 
 TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_O of a program
 
@@ -216,9 +217,8 @@ def deform_psroi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tens
 
 def _max_roi_size(rois: Tensor, spatial_scale: float) -> Tensor:
     """The largest RoI side in input pixels, on the device (for the fixed-point bound of grad_offset)."""
-    r = torch.where(rois >= 0, torch.floor(rois + 0.5), torch.ceil(rois - 0.5)).double()
-    sides = ((r[:, 3:] + 1) * spatial_scale - r[:, 1:3] * spatial_scale).clamp(min=0.1)
-    return sides.max() if sides.numel() else sides.new_zeros(())
+    _, _, roi_w, roi_h = roi_boxes(rois, spatial_scale, torch.float64)
+    return torch.cat([roi_w, roi_h]).max() if roi_w.numel() else roi_w.new_zeros(())
 
 
 def deform_psroi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offset: Optional[Tensor],
