@@ -20,8 +20,9 @@ def dcn_geometries(draw):
     stride = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
     pad = (draw(st.integers(0, 2)), draw(st.integers(0, 2)))
     dil = (draw(st.integers(1, 2)), draw(st.integers(1, 2)))
-    h = draw(st.integers(max(1, dil[0] * (kh - 1) + 1 - 2 * pad[0]), 8))
-    w = draw(st.integers(max(1, dil[1] * (kw - 1) + 1 - 2 * pad[1]), 8))
+    lo_h, lo_w = max(1, dil[0] * (kh - 1) + 1 - 2 * pad[0]), max(1, dil[1] * (kw - 1) + 1 - 2 * pad[1])
+    h = draw(st.integers(lo_h, lo_h + 6))  # from the smallest size with an output on (a 5x5 kernel dilated needs 9)
+    w = draw(st.integers(lo_w, lo_w + 6))
     return dict(n=draw(st.integers(1, 2)), h=h, w=w, g=draw(st.integers(1, 3)), d=draw(st.integers(1, 4)), kh=kh,
                 kw=kw, stride=stride, pad=pad, dil=dil, scale=draw(st.sampled_from([1.0, 0.5, 1.7])),
                 remove_center=remove_center, seed=draw(st.integers(0, 10_000)))
