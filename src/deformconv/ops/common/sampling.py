@@ -132,6 +132,18 @@ def point_corners(y, x, pix_base, H, W, PIX, live):
 
 
 @triton.jit
+def load_grid_corners(base, row0, row1, col0, col1, mask):
+    """The 4 corners base + row + col (rows row0 / row1, columns col0 / col1: element offsets, broadcast together), as
+    fp32, zero where mask is off: (top-left, top-right, bottom-left, bottom-right). For images read through their
+    strides (RoI pooling)."""
+    v00 = tl.load(base + row0 + col0, mask=mask, other=0.0).to(tl.float32)
+    v01 = tl.load(base + row0 + col1, mask=mask, other=0.0).to(tl.float32)
+    v10 = tl.load(base + row1 + col0, mask=mask, other=0.0).to(tl.float32)
+    v11 = tl.load(base + row1 + col1, mask=mask, other=0.0).to(tl.float32)
+    return v00, v01, v10, v11
+
+
+@triton.jit
 def load_corners(ptr, p00, cc, k_ok, v00, v01, v10, v11, W, CIN, EVEN_K: tl.constexpr):
     """The 4 bilinear corners [BM, BK] (the input's dtype, zero outside the image) of channels cc."""
     ptrs = ptr + p00[:, None] + cc[None, :]

@@ -81,6 +81,13 @@ def _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW, MSK_GROUP, BL
 
 
 @triton.jit
+def _lanes(g, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Group g's channel lanes: which exist, and their channels g·D + d."""
+    offs_d = tl.arange(0, BLOCK_D)
+    return offs_d < D, g * D + offs_d
+
+
+@triton.jit
 def _dcn_fwd_kernel(
     x_ptr, off_ptr, msk_ptr, out_ptr,          # see the module docstring; out like x's layout, [N, Ho, Wo, C]
     H, W, HO, WO, M, C,                        # M = N·Ho·Wo
@@ -94,9 +101,7 @@ def _dcn_fwd_kernel(
     g = tl.program_id(1)
     m_ok, offs_m, oh, ow, n_pix, off_row, msk_row = _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW,
                                                           MSK_GROUP, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    cc = g * D + offs_d
+    d_ok, cc = _lanes(g, D, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for k in range(K):
         p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
@@ -129,9 +134,7 @@ def _dcn_bwd_kernel(
     g = tl.program_id(1)
     m_ok, offs_m, oh, ow, n_pix, off_row, msk_row = _rows(pid, g, M, HO, WO, H, W, C, OFF_ROW, OFF_GROUP, MSK_ROW,
                                                           MSK_GROUP, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    cc = g * D + offs_d
+    d_ok, cc = _lanes(g, D, BLOCK_D)
     go = tl.load(go_ptr + offs_m.to(tl.int64)[:, None] * C + cc[None, :], mask=m_ok[:, None] & d_ok[None, :],
                  other=0.0).to(tl.float32)
     if FIXED:

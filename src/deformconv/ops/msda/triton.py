@@ -37,6 +37,16 @@ def _blocks(d: int) -> Tuple[int, int]:
 
 
 @triton.jit
+def _program(R, LQ, M, D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The program's query rows (valid, image) and head m, the head's channel lanes, their offsets in a value pixel,
+    and a pixel's stride (M·D)."""
+    rows = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
+    m = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    return rows, rows < R, (rows // LQ).to(tl.int64), m, offs_d, offs_d < D, m * D + offs_d, M * D
+
+
+@triton.jit
 def _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX):
     """Level lvl's (H, W) and the element offset of its first pixel in each row's image. A level that does not lie
     within the S pixels (shapes not checked on the host: reading them there would wait for the GPU) is taken as
@@ -72,15 +82,7 @@ def _msda_fwd_kernel(
     D: tl.constexpr, L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     """out[r, m·D + d] = Σ_l Σ_p a · bilinear(value level l, head m, channel d). Grid: (row tiles, M)."""
-    pid = tl.program_id(0)
-    m = tl.program_id(1)
-    rows = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    r_ok = rows < R
-    r_img = (rows // LQ).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    PIX = M * D
-    cc = m * D + offs_d
+    rows, r_ok, r_img, m, offs_d, d_ok, cc, PIX = _program(R, LQ, M, D, BLOCK_Q, BLOCK_D)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     point_row = (rows.to(tl.int64) * M + m) * (L * P)
     for lvl in range(L):
@@ -111,15 +113,7 @@ def _msda_bwd_kernel(
 ):
     """Per point: grad_attention = Σ_d go·s, grad_location = a·Σ_d go·∂s/∂(x, y)·(W_l, H_l) (zero where the point
     does not count), grad_value += go·a·(corner weight) at each corner read. Grid: (row tiles, M)."""
-    pid = tl.program_id(0)
-    m = tl.program_id(1)
-    rows = pid * BLOCK_Q + tl.arange(0, BLOCK_Q)
-    r_ok = rows < R
-    r_img = (rows // LQ).to(tl.int64)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    PIX = M * D
-    cc = m * D + offs_d
+    rows, r_ok, r_img, m, offs_d, d_ok, cc, PIX = _program(R, LQ, M, D, BLOCK_Q, BLOCK_D)
     go = tl.load(go_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :],
                  mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
     if FIXED:

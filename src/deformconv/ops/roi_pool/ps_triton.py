@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import run_cached
-from ..common.sampling import scatter_add
+from ..common.sampling import load_grid_corners, scatter_add
 from .ps_reference import roi_boxes
 
 TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_O of a program
@@ -112,10 +112,7 @@ def _psroi_fwd_kernel(
         for iw in tl.static_range(S):
             ok_x, x1, x2, dx, _ = _axis(wstart + iw * sub_w, W)
             ok = live & ok_y & ok_x
-            v11 = tl.load(base + y1 * sh + x1 * sw, mask=ok, other=0.0).to(tl.float32)
-            v12 = tl.load(base + y2 * sh + x1 * sw, mask=ok, other=0.0).to(tl.float32)
-            v21 = tl.load(base + y1 * sh + x2 * sw, mask=ok, other=0.0).to(tl.float32)
-            v22 = tl.load(base + y2 * sh + x2 * sw, mask=ok, other=0.0).to(tl.float32)
+            v11, v21, v12, v22 = load_grid_corners(base, y1 * sh, y2 * sh, x1 * sw, x2 * sw, ok)  # v<x><y>
             val = (1 - dx) * (1 - dy) * v11 + (1 - dx) * dy * v12 + dx * (1 - dy) * v21 + dx * dy * v22
             acc += tl.where(ok, val, 0.0)
             count += ok.to(tl.float32)
@@ -176,10 +173,7 @@ def _psroi_bwd_kernel(
                 scatter_add(gbase + y1 * W + x2, g * dx * (1 - dy), ok, in_scale, FIXED)
                 scatter_add(gbase + y2 * W + x2, g * dx * dy, ok, in_scale, FIXED)
             if NEED_OFF:
-                v11 = tl.load(base + y1 * sh + x1 * sw, mask=ok, other=0.0).to(tl.float32)
-                v12 = tl.load(base + y2 * sh + x1 * sw, mask=ok, other=0.0).to(tl.float32)
-                v21 = tl.load(base + y1 * sh + x2 * sw, mask=ok, other=0.0).to(tl.float32)
-                v22 = tl.load(base + y2 * sh + x2 * sw, mask=ok, other=0.0).to(tl.float32)
+                v11, v21, v12, v22 = load_grid_corners(base, y1 * sh, y2 * sh, x1 * sw, x2 * sw, ok)
                 gx += tl.where(ok, g * slx * ((1 - dy) * (v21 - v11) + dy * (v22 - v12)), 0.0)
                 gy += tl.where(ok, g * sly * ((1 - dx) * (v12 - v11) + dx * (v22 - v21)), 0.0)
     if NEED_OFF:

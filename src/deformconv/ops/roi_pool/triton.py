@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import run_cached
-from ..common.sampling import scatter_add
+from ..common.sampling import load_grid_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
 
@@ -109,10 +109,8 @@ def _roi_pool_fwd_kernel(
             x = sx + (ix + 0.5) * bin_w / gw
             xl, xh, wxl, wxh, _, in_x = _axis(x, W)
             live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
-            v00 = tl.load(base + (yl * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-            v01 = tl.load(base + (yl * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-            v10 = tl.load(base + (yh * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-            v11 = tl.load(base + (yh * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+            v00, v01, v10, v11 = load_grid_corners(base, (yl * sh)[:, None], (yh * sh)[:, None], (xl * sw)[:, None],
+                                                   (xh * sw)[:, None], live)
             acc += (wyl * wxl)[:, None] * v00 + (wyl * wxh)[:, None] * v01 + (wyh * wxl)[:, None] * v10 \
                 + (wyh * wxh)[:, None] * v11
     count = tl.maximum(gh * gw, 1).to(tl.float32)
@@ -167,10 +165,8 @@ def _roi_pool_bwd_kernel(
                     scatter_add(gbase + (yh * W + xl)[:, None], g * (wyh * wxl)[:, None], live, fixed_scale, FIXED)
                     scatter_add(gbase + (yh * W + xh)[:, None], g * (wyh * wxh)[:, None], live, fixed_scale, FIXED)
                 if NEED_OFF:
-                    v00 = tl.load(base + (yl * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-                    v01 = tl.load(base + (yl * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-                    v10 = tl.load(base + (yh * sh + xl * sw)[:, None], mask=live, other=0.0).to(tl.float32)
-                    v11 = tl.load(base + (yh * sh + xh * sw)[:, None], mask=live, other=0.0).to(tl.float32)
+                    v00, v01, v10, v11 = load_grid_corners(base, (yl * sh)[:, None], (yh * sh)[:, None],
+                                                           (xl * sw)[:, None], (xh * sw)[:, None], live)
                     dx = wyl[:, None] * (v01 - v00) + wyh[:, None] * (v11 - v10)
                     dy = wxl[:, None] * (v10 - v00) + wxh[:, None] * (v11 - v01)
                     gx += slx * tl.sum(g * dx, axis=1)
