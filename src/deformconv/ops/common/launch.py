@@ -107,8 +107,8 @@ def run_cached(fn, grid: tuple, tensors: Sequence[Tensor], args: tuple, meta: di
     runtime argument and meta-parameter, and each tensor's dtype, device and 16-byte alignment (all that Triton
     specialises on). Later calls relaunch the compiled kernel directly (Launch). For the kernels whose plans are this
     simple (one launch a call, no config choice)."""
-    key = (fn, tuple(grid), tuple(args), tuple(sorted(meta.items())),
-           tuple((t.dtype, t.device, aligned16(t)) for t in tensors))
+    # meta in its insertion order (each call site builds it the same way): no sort on the per-call path
+    key = (fn, tuple(grid), tuple(args), tuple(meta.items()), tuple((t.dtype, t.device, aligned16(t)) for t in tensors))
     cache = options.cache("launches")
     run = cache.get(key)
     if run is None:
