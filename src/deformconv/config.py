@@ -16,7 +16,7 @@ import dataclasses
 import os
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 
 @dataclass(frozen=True)
@@ -154,6 +154,7 @@ class Options:
     per_image: Optional[bool] = None
     grouped_input: Optional[bool] = None
     go_resident: Optional[bool] = None
+    gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     caches: Dict[str, dict] = field(default_factory=dict, repr=False)
 
     def cache(self, name: str) -> dict:

@@ -152,6 +152,7 @@ def test_config_launch_options():
 
 def test_default_is_the_heuristic_without_autotune(monkeypatch, forced):
     monkeypatch.delenv("DEFORMCONV_AUTOTUNE", raising=False)
+    monkeypatch.setattr(K.launch, "shared_memory_per_block", lambda device: K.launch.TUNED_SHARED_MEMORY)
     cands = [K.configs.Config(128, 128, 32, 4), K.configs.Config(64, 64, 32, 4)]
     calls = []
     key = ("test-default", 1)
@@ -168,6 +169,7 @@ def test_a_shape_class_shares_tiles_not_splits(monkeypatch, forced):
     first = [K.configs.Config(64, 128, 32, 4, split=3), K.configs.Config(64, 64, 32, 4, split=3)]
     second = [K.configs.Config(64, 128, 32, 4, split=1), K.configs.Config(64, 64, 32, 4, split=1)]
     monkeypatch.delenv("DEFORMCONV_AUTOTUNE", raising=False)
+    monkeypatch.setattr(K.launch, "shared_memory_per_block", lambda device: K.launch.TUNED_SHARED_MEMORY)
     options.cache("tuned").clear()
     assert K.launch.pick_config(key, first, lambda cfg: None, torch.device("cuda")) == first[0]
     assert K.launch.pick_config(key, second, lambda cfg: None, torch.device("cuda")) == second[0]
@@ -176,6 +178,32 @@ def test_a_shape_class_shares_tiles_not_splits(monkeypatch, forced):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     options.cache("tuned").update({key: first[1]})  # tuned on the first shape: the 64-column tile
     assert K.launch.pick_config(key, second, lambda cfg: None, torch.device("cuda")) == second[1]
+
+
+def test_a_gpu_with_less_shared_memory_takes_the_first_tile_that_fits(monkeypatch, forced):
+    """An RTX 4090 or L4 (99 KiB a block): a default tile needing more is passed over for the next candidate, once per
+    shape class; none fitting is a clear error. Triton raises OutOfResources before launching such a kernel."""
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.delenv("DEFORMCONV_AUTOTUNE", raising=False)
+    monkeypatch.setattr(K.launch, "shared_memory_per_block", lambda device: 101376)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    big, small = K.configs.Config(64, 256, 32, 8), K.configs.Config(64, 128, 32, 4, num_stages=1)
+    launched = []
+
+    def launch(cfg):
+        if cfg.block_n > 128:
+            raise OutOfResources(107264, 101376, "shared memory")
+        launched.append(cfg)
+
+    key = ("test-fits", 1)
+    options.cache("tuned").pop(key, None)
+    assert K.launch.pick_config(key, [big, small], launch, torch.device("cuda")) == small
+    assert K.launch.pick_config(key, [big, small], launch, torch.device("cuda")) == small
+    assert launched == [small]  # the choice is made once
+    options.cache("tuned").pop(key)
+    with pytest.raises(RuntimeError, match="no tile config of this kernel fits this GPU"):
+        K.launch.pick_config(key, [big], launch, torch.device("cuda"))
 
 
 def test_autotune_keeps_default_unless_5_percent_faster(monkeypatch, forced):

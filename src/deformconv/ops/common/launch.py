@@ -40,6 +40,13 @@ def aligned16(t: Tensor) -> bool:
     return config.tracing() or t.data_ptr() % 16 == 0
 
 
+def gather_tile(default: Tuple[int, int]) -> Tuple[int, int]:
+    """(elements, warps) of a program of a gather kernel (DCNv3/DCNv4, attention, RoI pooling): how many
+    (position, channel) elements its tile holds, and its warps. options.gather_tile where a benchmark forces one,
+    else the family's default (docs/tuning.md: chosen by the registers each compiles to)."""
+    return options.gather_tile or default
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
@@ -146,20 +153,36 @@ def tma_launch(cfg, dtype: torch.dtype, even_k: bool, operands: Sequence[Tuple[T
                            and aligned16(t) and t.numel() // row < 2**31 for t, row in operands)
 
 
+# Shared memory a block may use on the GPU the tile configs were chosen on (an H100/H200: 227 KiB). A GPU with less
+# may not fit the default tile (e.g. grad_weight's fp32 256-column tile takes 105 KiB; an RTX 3090/4090 or L4 has 99).
+TUNED_SHARED_MEMORY = 232448
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory a block may use on device (the opt-in maximum)."""
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", TUNED_SHARED_MEMORY)
+
+
 def pick_config(key: tuple, candidates: list, launch, device: torch.device):
     """The heuristic default for this call's shape (candidates[0]); with DEFORMCONV_AUTOTUNE=1 on CUDA, the
     fastest candidate, timed once per shape class and cached: a later shape of the class takes the tuned tile
-    with its own split (splits follow the exact number of positions).
+    with its own split (splits follow the exact number of positions). On a GPU with less shared memory than the one
+    the defaults were chosen on, the first candidate that launches (a tile that does not fit is passed over).
     ``launch`` must be safe to repeat (the caller re-initialises any accumulator after the choice). A
     candidate must beat the default by 5% to replace it. chosen_configs() records each class's first choice."""
     tuned_configs = options.cache("tuned")
-    if (not config.autotune() or len(candidates) == 1 or device.type != "cuda" or config.tracing()
+    timed = config.autotune() and len(candidates) > 1
+    if (device.type != "cuda" or config.tracing() or not timed and shared_memory_per_block(device) >= TUNED_SHARED_MEMORY
             or torch.cuda.is_current_stream_capturing()):
         tuned_configs.setdefault(key, candidates[0])
         return candidates[0]
     if key in tuned_configs:
         tuned = tuned_configs[key]
         return next((c for c in candidates if dataclasses.replace(c, split=tuned.split) == tuned), tuned)
+    if not timed:
+        tuned_configs[key] = best = _first_that_fits(candidates, launch)
+        return best
     from triton.testing import do_bench
 
     times = {}
@@ -175,6 +198,21 @@ def pick_config(key: tuple, candidates: list, launch, device: torch.device):
             best = cfg
     tuned_configs[key] = best
     return best
+
+
+def _first_that_fits(candidates: list, launch):
+    """The first candidate whose kernel this GPU can run (each is launched once; Triton raises OutOfResources before
+    launching one that needs more shared memory or registers than the GPU has)."""
+    from triton.runtime.errors import OutOfResources
+
+    errors = []
+    for cfg in candidates:
+        try:
+            launch(cfg)
+            return cfg
+        except OutOfResources as e:
+            errors.append(f"{cfg}: {e}")
+    raise RuntimeError("deformconv: no tile config of this kernel fits this GPU:\n" + "\n".join(errors))
 
 
 def chosen_configs() -> Dict[tuple, object]:

@@ -17,18 +17,21 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import run_cached
+from ..common.launch import gather_tile, run_cached
 from ..common.sampling import load_grid_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
 
-TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_C of a program
+# (elements, warps) of a program: BLOCK_BINS·BLOCK_C = 1024 over 8 warps, 4 a thread. The backward's four
+# scatters and corner loads a sample compile to 150-170 registers a thread at this tile, 255 at twice as many a thread.
+TILE = (1024, 8)
 
 
-def _blocks(bins: int, channels: int) -> Tuple[int, int]:
-    """(BLOCK_BINS, BLOCK_C): every bin of the RoI, and channels filling TILE_ELEMENTS (at least 8)."""
+def _blocks(bins: int, channels: int) -> Tuple[int, int, int]:
+    """(BLOCK_BINS, BLOCK_C, warps): every bin of the RoI, and channels filling the tile (at least 8)."""
+    elements, warps = gather_tile(TILE)
     block_bins = triton.next_power_of_2(bins)
-    return block_bins, max(8, min(triton.next_power_of_2(channels), TILE_ELEMENTS // block_bins))
+    return block_bins, max(8, min(triton.next_power_of_2(channels), elements // block_bins)), warps
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -98,16 +101,17 @@ def _roi_pool_fwd_kernel(
     c_ok = offs_c < C
     bins = tl.arange(0, BLOCK_BINS)
     bin_ok = bins < PH * PW
-    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, _, _ = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA, PH,
-                                                         PW, SAMPLING, HAS_OFFSET)
+    # no tuple target is named "_": Triton would carry it through the loops below with changing types
+    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA,
+                                                                 PH, PW, SAMPLING, HAS_OFFSET)
     base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
     acc = tl.zeros((BLOCK_BINS, BLOCK_C), dtype=tl.float32)
     for iy in range(gh):
         y = sy + (iy + 0.5) * bin_h / gh
-        yl, yh, wyl, wyh, _, in_y = _axis(y, H)
+        yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
         for ix in range(gw):
             x = sx + (ix + 0.5) * bin_w / gw
-            xl, xh, wxl, wxh, _, in_x = _axis(x, W)
+            xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
             live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
             v00, v01, v10, v11 = load_grid_corners(base, (yl * sh)[:, None], (yh * sh)[:, None], (xl * sw)[:, None],
                                                    (xh * sw)[:, None], live)
@@ -182,9 +186,9 @@ def _roi_pool_bwd_kernel(
 
 def _meta(output_size, C: int, sampling_ratio: int, has_offset: bool) -> dict:
     ph, pw = output_size
-    block_bins, block_c = _blocks(ph * pw, C)
+    block_bins, block_c, warps = _blocks(ph * pw, C)
     return dict(PH=ph, PW=pw, SAMPLING=max(int(sampling_ratio), 0), HAS_OFFSET=has_offset, BLOCK_BINS=block_bins,
-                BLOCK_C=block_c, num_warps=4)
+                BLOCK_C=block_c, num_warps=warps)
 
 
 def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor], output_size, spatial_scale: float,

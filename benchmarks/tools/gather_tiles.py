@@ -1,0 +1,104 @@
+"""The gather kernels' program tile (options.gather_tile: elements, warps) timed on a GPU, at each family's benchmark
+loads: DCNv3 and DCNv4 (bench_dcnv.py's shapes), multi-scale deformable attention (bench_msda.py's), deformable RoI
+pooling (bench_roi_pool.py's). One run compares the defaults with the other candidates side by side; docs/tuning.md
+keeps the outcome.
+
+    python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--out PATH]
+
+Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
+default last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+CANDIDATES = [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 4), (4096, 8)]
+
+
+def _loads(dtype):
+    """(family, load, forward callable, leaves)."""
+    import bench_dcnv
+    import bench_msda
+    import bench_roi_pool
+
+    import deformconv
+
+    for name in ("dcnv4-bench", "internimage-t-s1", "internimage-t-s3"):
+        n, h, w, g, d = shape = bench_dcnv.SHAPES[name]
+        for op in ("dcnv3", "dcnv4"):
+            leaves = bench_dcnv._inputs(shape, dtype, op)
+            f = getattr(deformconv, op)
+            yield op, name, (lambda f=f, leaves=leaves, g=g, d=d: f(*leaves, 3, 3, 1, 1, 1, 1, 1, 1, g, d, 1.0, 256,
+                                                                     False)), leaves
+    for load, queries in bench_msda.LOADS.items():
+        value, shapes, starts, loc, attn = bench_msda._inputs(queries, dtype)
+        yield "msda", load, (lambda v=value, s=shapes, st=starts, lo=loc, a=attn: deformconv.ms_deform_attn(
+            v, s, st, lo, a)), [value, loc, attn]
+    for level in bench_roi_pool.LEVELS:
+        for sr in (2, 0):
+            x, rois, offset, scale = bench_roi_pool._inputs(level, dtype, torch.device("cuda"))
+            yield "roi_pool", f"{level} sr{sr}", (lambda x=x, r=rois, o=offset, s=scale, sr=sr: deformconv.deform_roi_pool(
+                x, r, o, 7, s, sr)), [x, offset]
+
+
+def main(argv=None):
+    from triton.testing import do_bench
+
+    from deformconv.benchmark import environment
+    from deformconv.config import options
+    from deformconv.ops.dcnv3.triton import TILE as DCN_TILE
+    from deformconv.ops.msda.triton import TILE as MSDA_TILE
+    from deformconv.ops.roi_pool.triton import TILE as ROI_TILE
+
+    defaults = {"dcnv3": DCN_TILE, "dcnv4": DCN_TILE, "msda": MSDA_TILE, "roi_pool": ROI_TILE}
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    rows = []
+    for dt_name in args.dtypes:
+        for family, load, fwd, leaves in _loads(getattr(torch, dt_name)):
+            gout = torch.randn_like(fwd())
+            row = dict(family=family, load=load, dtype=dt_name, default=list(defaults[family]))
+            for tile in CANDIDATES:
+                with options.override(gather_tile=tile):
+                    key = f"{tile[0]}x{tile[1]}"
+                    try:
+                        row[f"{key}_fwd_ms"] = do_bench(fwd, return_mode="median")
+                        row[f"{key}_fb_ms"] = do_bench(lambda: fwd().backward(gout), grad_to_none=leaves,
+                                                       return_mode="median")
+                    except Exception as e:  # a tile that does not fit (out of resources)
+                        row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:160]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    env = environment(torch.device("cuda"))
+    print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
+          "family's default tile (elements x warps)\n")
+    print("| family | load | dtype | default ms | " + " | ".join(f"{e}x{w}" for e, w in CANDIDATES) + " |")
+    print("|---|---|---|---|" + "---|" * len(CANDIDATES))
+    for r in rows:
+        d = "{}x{}".format(*r["default"])
+        base_f, base_b = r.get(f"{d}_fwd_ms"), r.get(f"{d}_fb_ms")
+        cells = []
+        for e, w in CANDIDATES:
+            f, b = r.get(f"{e}x{w}_fwd_ms"), r.get(f"{e}x{w}_fb_ms")
+            cells.append("-" if None in (f, b, base_f, base_b) else f"{f / base_f:.2f} / {b / base_b:.2f}")
+        base = "-" if None in (base_f, base_b) else f"{base_f:.3f} / {base_b:.3f}"
+        print(f"| {r['family']} | {r['load']} | {r['dtype']} | {base} | " + " | ".join(cells) + " |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment=env, records=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
