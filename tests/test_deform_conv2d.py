@@ -21,7 +21,8 @@ torchvision = pytest.importorskip("torchvision")
 
 def cpu_backends():
     """(backend, dtype) pairs that run on this machine's CPU."""
-    pairs = [("reference", torch.float64), ("reference", torch.float32), ("cpu", torch.float64), ("cpu", torch.float32)]
+    pairs = [("reference", torch.float64), ("reference", torch.float32), ("cpu", torch.float64), ("cpu", torch.float32),
+             ("cpu", torch.bfloat16)]  # the cpu backend's bf16 GEMMs: bf16 operands, as the GPU's
     if not deformconv.not_supported_reasons(torch.device("cpu"), torch.float32)["triton"]:
         pairs += [("triton", torch.float32), ("triton", torch.float16)]
     return pairs
@@ -213,10 +214,10 @@ def _check_non_finite(where, value, config, backend, dtype, deterministic=False)
         offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value  # tap 4 (the centre): a dy or a dx
     grad_out = torch.randn(shape["n"], 6, 5, 6, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
 
-    def run(fn, cast):
-        leaves = [t.detach().to(cast).requires_grad_(True) for t in (x, offset, weight, mask)]
+    def run(fn, cast):  # both sides see the inputs rounded to dtype
+        leaves = [t.detach().to(dtype).to(cast).requires_grad_(True) for t in (x, offset, weight, mask)]
         out = fn(*leaves)
-        return [out, *torch.autograd.grad(out, leaves, grad_out.to(cast))]
+        return [out, *torch.autograd.grad(out, leaves, grad_out.to(dtype).to(cast))]
 
     ours = run(lambda x, o, w, m: deformconv.deform_conv2d(x, o, w, padding=1, mask=m, backend=backend), dtype)
     names = ("output", "grad_input", "grad_offset", "grad_weight", "grad_mask")
@@ -297,10 +298,11 @@ def test_non_contiguous_and_channels_last_inputs(backend, dtype):
     torch.testing.assert_close(out_cl, expected, atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("backend", ["reference", "cpu"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("backend,dtype", [("reference", torch.float16), ("reference", torch.bfloat16),
+                                           ("cpu", torch.float16)], ids=["reference-fp16", "reference-bf16", "cpu-fp16"])
 def test_half_inputs_are_computed_in_float32_by_the_reference(backend, dtype):
-    """The reference and cpu backends compute 16-bit inputs in float32 and round once: the float64 result rounded."""
+    """The reference backend computes 16-bit inputs in float32 and rounds once: the float64 result rounded. So does the
+    cpu backend with fp16 (with bf16 its GEMMs take bf16 operands, as the GPU's: the tests by dtype cover it)."""
     args, kwargs = make_case(n=2, cin=8, cout=4, h=6, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=2)
     out = deformconv.deform_conv2d(*args, **kwargs, backend=backend)
     assert out.dtype == dtype

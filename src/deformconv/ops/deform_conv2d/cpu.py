@@ -16,6 +16,12 @@ Shapes, per chunk of n images (L = Ho·Wo, K = kh·kw, G offset groups of Cg cha
 
 The backward runs the same gathers. grad_input is scattered back into rows with ``index_add_``; contributions of
 corners outside the image land on the zero row and are dropped.
+
+The GEMMs of the output and of grad_columns run as oneDNN convolutions where torch has oneDNN: the columns
+[n·L, K·C] are the image [n, Ho, Wo·K, C] (channels-last) of a 1×K convolution of stride K, and grad_columns its
+transposed convolution. oneDNN is PyTorch's CPU convolution engine, tuned for each CPU; the BLAS behind ``torch.mm``
+(MKL) takes a slow path on AMD CPUs (docs/tuning.md). bfloat16 inputs multiply in bfloat16 (fp32 accumulation, as
+the GPU's tensor cores): the CPU's bf16 instructions make that 3-4× faster than fp32.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import threading
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
@@ -123,12 +130,42 @@ class _Samples:
         """t times the mask, in place (t itself without a mask)."""
         return t if self.mask is None else t.mul_(self.mask[..., None])
 
+    def modulated(self, t: Tensor, dtype: torch.dtype, slot: str) -> Tensor:
+        """t times the mask in dtype: in place if t has it, else written once into scratch of that dtype."""
+        if t.dtype == dtype:
+            return self.modulate_(t)
+        out = _scratch(slot, tuple(t.shape), dtype, t.device)
+        return out.copy_(t) if self.mask is None else torch.mul(t, self.mask[..., None], out=out)
+
 
 def _weight_matrix(weight: Tensor, groups: int, ctype: torch.dtype) -> Tensor:
     """The weight [Cout, Cin_g, kh, kw] as per-group GEMM operands [groups, K·Cin_g, Cout_g] (rows tap-major)."""
     cout, cin_g, kh, kw = weight.shape
     return weight.to(ctype).reshape(groups, cout // groups, cin_g, kh * kw).permute(0, 3, 2, 1).reshape(
         groups, kh * kw * cin_g, cout // groups)
+
+
+def _by_convolution(gdtype: torch.dtype) -> bool:
+    """Whether the GEMMs run as oneDNN convolutions (fp32 and bf16, where torch has oneDNN; float64 stays with BLAS)."""
+    return gdtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+
+
+def _gemm_dtype(dtype: torch.dtype, ctype: torch.dtype) -> torch.dtype:
+    """The GEMMs' operand dtype: bfloat16 for bfloat16 inputs where oneDNN multiplies them, else the computation's
+    (the CPU's fp16 GEMMs are slow)."""
+    return torch.bfloat16 if dtype == torch.bfloat16 and _by_convolution(torch.bfloat16) else ctype
+
+
+def _weight_taps(weight: Tensor, gdtype: torch.dtype) -> Tensor:
+    """The weight as a 1×K convolution's [Cout, Cin_g, 1, kh·kw] (taps row-major, as the columns), channels-last."""
+    cout, cin_g, kh, kw = weight.shape
+    return weight.to(gdtype).reshape(cout, cin_g, 1, kh * kw).contiguous(memory_format=torch.channels_last)
+
+
+def _columns_image(col: Tensor, geo: ConvGeometry, gdtype: torch.dtype) -> Tensor:
+    """The columns [n, L, K, C] as the 1×K convolution's input [n, C, Ho, Wo·K] (a channels-last view)."""
+    n = col.shape[0]
+    return col.to(gdtype).view(n, geo.out_h, geo.out_w * geo.taps, geo.in_channels).permute(0, 3, 1, 2)
 
 
 def _group_columns(col: Tensor, geo: ConvGeometry, gi: int) -> Tensor:
@@ -146,9 +183,11 @@ def deform_conv2d_forward(
     """out [N, Cout, Ho, Wo] in input's dtype and memory format."""
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
     ctype = compute_dtype(input.dtype)
+    gdtype = _gemm_dtype(input.dtype, ctype)
     N, L, cout_g = geo.batch, geo.out_h * geo.out_w, geo.out_channels // geo.groups
-    wm = _weight_matrix(weight, geo.groups, ctype)
-    out = torch.empty((N, geo.out_h, geo.out_w, geo.out_channels), dtype=ctype, device=input.device)
+    conv = _by_convolution(gdtype)
+    wm = _weight_taps(weight, gdtype) if conv else _weight_matrix(weight, geo.groups, ctype)
+    out = torch.empty((N, geo.out_h, geo.out_w, geo.out_channels), dtype=gdtype, device=input.device)
     flat = out.view(N * L, geo.out_channels)
     step = chunk_images(geo)
     for s in range(0, N, step):
@@ -156,13 +195,18 @@ def deform_conv2d_forward(
         samples = _Samples(offset[s:e], None if mask is None else mask[s:e], geo, ctype)
         col = _scratch("samples", samples.shape, ctype, input.device)
         samples.values(_rows(input[s:e], geo, ctype), col, _scratch("corner", samples.shape, ctype, input.device))
-        col = samples.modulate_(col).view(e - s, L, geo.taps, geo.in_channels)
+        col = samples.modulated(col, gdtype, "gemm_columns").view(e - s, L, geo.taps, geo.in_channels)
+        if conv:
+            res = F.conv2d(_columns_image(col, geo, gdtype), wm, None if bias is None else bias.to(gdtype),
+                           stride=(1, geo.taps), groups=geo.groups)
+            out[s:e] = res.permute(0, 2, 3, 1)
+            continue
         if geo.groups == 1:  # straight into the output's rows
             torch.mm(_group_columns(col, geo, 0), wm[0], out=flat[s * L:e * L])
         for gi in range(geo.groups if geo.groups > 1 else 0):
             flat[s * L:e * L, gi * cout_g:(gi + 1) * cout_g] = _group_columns(col, geo, gi) @ wm[gi]
-    if bias is not None:
-        flat += bias.to(ctype)
+    if bias is not None and not conv:
+        flat += bias.to(gdtype)
     return out.permute(0, 3, 1, 2).to(input.dtype).contiguous(memory_format=suggest_memory_format(input))
 
 
@@ -175,14 +219,18 @@ def deform_conv2d_backward(
     need_mask = need_mask and mask is not None
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
     ctype = compute_dtype(input.dtype)
+    gdtype = _gemm_dtype(input.dtype, ctype)
+    conv = _by_convolution(gdtype)
     N, G, K, L = geo.batch, geo.offset_groups, geo.taps, geo.out_h * geo.out_w
     cout_g, cin_g = geo.out_channels // geo.groups, geo.in_channels // geo.groups
-    wm = _weight_matrix(weight, geo.groups, ctype)
-    go_all = grad_out.to(ctype).permute(0, 2, 3, 1).reshape(N * L, geo.out_channels)
+    wm = _weight_matrix(weight, geo.groups, gdtype)
+    wt = _weight_taps(weight, gdtype) if conv else None
+    go_img = grad_out.to(gdtype).contiguous(memory_format=torch.channels_last)  # [N, Cout, Ho, Wo], NHWC in memory
+    go_all = go_img.permute(0, 2, 3, 1).reshape(N * L, geo.out_channels)
     dev = input.device
 
-    grad_b = go_all.sum(0).to(weight.dtype) if need_b else None
-    grad_wm = torch.zeros_like(wm) if need_w else None
+    grad_b = go_all.sum(0, dtype=ctype).to(weight.dtype) if need_b else None
+    grad_wm = torch.zeros_like(wm, dtype=ctype) if need_w else None
     # grad_input as [N, H, W, C]
     grad_in = torch.empty((N, geo.height, geo.width, geo.in_channels), dtype=ctype, device=dev) if need_in else None
     grad_off = torch.empty((N, G, K, 2, L), dtype=ctype, device=dev) if need_off else None
@@ -199,7 +247,11 @@ def deform_conv2d_backward(
         tmp = _scratch("corner", samples.shape, ctype, dev)  # each corner in turn, and products
         samples.values(rows, val, tmp)
         grad_col = None
-        if need_in or need_off or need_mask:
+        if (need_in or need_off or need_mask) and conv:
+            # the 1×K convolution's transpose: [n, C, Ho, Wo·K], channels-last, which is [n, L, K, C] in memory
+            gc = F.conv_transpose2d(go_img[s:e], wt, stride=(1, K), groups=geo.groups).permute(0, 2, 3, 1)
+            grad_col = gc.to(ctype).contiguous().view(samples.shape)
+        elif need_in or need_off or need_mask:
             grad_col = _scratch("grad_col", (n, L, K, geo.in_channels), ctype, dev)
             if geo.groups == 1:
                 torch.mm(go, wm[0].t(), out=grad_col.view(n * L, K * cin_g))
@@ -210,9 +262,13 @@ def deform_conv2d_backward(
         if need_mask:  # the channel sums of grad_col times the unmodulated samples
             grad_mask[s:e] = torch.einsum("...c,...c->...", grad_col, val).permute(0, 3, 2, 1)
         if need_w:
-            col = samples.modulate_(val).view(n, L, K, geo.in_channels)
+            col = samples.modulated(val, gdtype, "gemm_columns").view(n, L, K, geo.in_channels)
             for gi in range(geo.groups):
-                grad_wm[gi].addmm_(_group_columns(col, geo, gi).t(), go[:, gi * cout_g:(gi + 1) * cout_g])
+                cols, gos = _group_columns(col, geo, gi).t(), go[:, gi * cout_g:(gi + 1) * cout_g]
+                if gdtype == ctype:
+                    grad_wm[gi].addmm_(cols, gos)
+                else:  # bf16 operands, the sum over chunks in fp32
+                    grad_wm[gi] += cols @ gos
         del val
         if grad_col is None:
             continue
