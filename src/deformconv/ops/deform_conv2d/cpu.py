@@ -131,11 +131,10 @@ class _Samples:
         return t if self.mask is None else t.mul_(self.mask[..., None])
 
     def modulated(self, t: Tensor, dtype: torch.dtype, slot: str) -> Tensor:
-        """t times the mask in dtype: in place if t has it, else written once into scratch of that dtype."""
-        if t.dtype == dtype:
-            return self.modulate_(t)
-        out = _scratch(slot, tuple(t.shape), dtype, t.device)
-        return out.copy_(t) if self.mask is None else torch.mul(t, self.mask[..., None], out=out)
+        """t times the mask (in place), in dtype: t itself if it has it, else a copy into scratch of that dtype (an
+        in-place product then a cast: a product into another dtype takes torch's slow mixed-dtype path)."""
+        self.modulate_(t)
+        return t if t.dtype == dtype else _scratch(slot, tuple(t.shape), dtype, t.device).copy_(t)
 
 
 def _weight_matrix(weight: Tensor, groups: int, ctype: torch.dtype) -> Tensor:
