@@ -7,7 +7,11 @@ Shapes (N, H, W, G, D): DCNv4's own benchmark layer (64, 56, 56, 4, 32) and Inte
 64 and 224^2 (channels 64/128/256/512, groups 4/8/16/32). 3x3, stride 1, padding 1, offsets normal x 2 px,
 aggregation weights softmaxed. Forward and forward+backward (gradients of input, offsets and weights; the conv's of
 input and weight), `do_bench` medians of eager calls and `do_bench_cudagraph` medians of CUDA-graph replays.
-DCNv4's and DCNv3's own CUDA kernels are not built here: they need a CUDA toolkit at install time.
+
+DCNv4's and DCNv3's own CUDA kernels join as the `dcnv4_cuda` and `dcnv3_cuda` rows where they are importable:
+installed from their sources with their own setup.py (`pip install --no-build-isolation --target DIR DCNv4_op`,
+likewise InternImage's `classification/ops_dcnv3` into another DIR, then the DIR on PYTHONPATH), which needs a CUDA
+toolkit. Nothing of them is part of this repository.
 """
 
 from __future__ import annotations
@@ -41,6 +45,23 @@ def _inputs(shape, dtype, op):
     return [x, offset.requires_grad_(), mask.requires_grad_()]
 
 
+def _peers() -> dict:
+    """{name: Function.apply or the reason it is missing} for the published CUDA kernels (see the docstring). Both
+    take the same arguments as deformconv.dcnv4 / dcnv3."""
+    found = {}
+    try:
+        from DCNv4.functions import DCNv4Function  # FlashInternImage's DCNv4_op
+        found["dcnv4_cuda"] = DCNv4Function.apply
+    except Exception as e:  # not installed: the row is left out
+        found["dcnv4_cuda"] = f"{type(e).__name__}: {e}"[:160]
+    try:
+        from functions import DCNv3Function  # InternImage's ops_dcnv3 package
+        found["dcnv3_cuda"] = DCNv3Function.apply
+    except Exception as e:
+        found["dcnv3_cuda"] = f"{type(e).__name__}: {e}"[:160]
+    return found
+
+
 def main(argv=None):
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -55,6 +76,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     torch.backends.cudnn.benchmark = True
+    peers = _peers()
     rows = []
     for name in args.shapes:
         n, h, w, g, d = shape = SHAPES[name]
@@ -71,9 +93,13 @@ def main(argv=None):
                     f = getattr(deformconv, op)
                     fns[f"{op}_{backend}"] = (leaves, lambda *t, f=f, backend=backend: f(
                         *t, 3, 3, 1, 1, 1, 1, 1, 1, g, d, 1.0, 256, False, backend=backend))
+                peer = peers[f"{op}_cuda"]
+                if callable(peer):
+                    fns[f"{op}_cuda"] = (_inputs(shape, dtype, op), lambda *t, peer=peer: peer(
+                        *t, 3, 3, 1, 1, 1, 1, 1, 1, g, d, 1.0, 256, False))
             for impl, (leaves, fn) in fns.items():
-                gout = torch.randn_like(fn(*leaves))
-                try:
+                try:  # a published kernel may refuse a dtype (DCNv3's bf16; DCNv4's bf16 backward)
+                    gout = torch.randn_like(fn(*leaves))
                     row[f"{impl}_fwd_ms"] = do_bench(lambda: fn(*leaves), return_mode="median")
                     step = lambda: fn(*leaves).backward(gout)  # noqa: E731
                     row[f"{impl}_fb_ms"] = do_bench(step, grad_to_none=leaves, return_mode="median")
@@ -85,13 +111,14 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     env = environment(torch.device("cuda"))
+    env.update({k: "installed" if callable(v) else f"not installed ({v})" for k, v in peers.items()})
     print(f"\n{env.get('device')}, torch {torch.__version__}; medians in ms (eager / CUDA graph)\n")
-    print("| shape | dtype | dcnv3 fwd | dcnv4 fwd | dw conv fwd | dcnv3 fwd+bwd | dcnv4 fwd+bwd | dw conv fwd+bwd "
-          "| reference fwd+bwd |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | dtype | dcnv3 fwd | dcnv4 fwd | DCNv3 CUDA fwd | DCNv4 CUDA fwd | dw conv fwd | dcnv3 fwd+bwd | "
+          "dcnv4 fwd+bwd | DCNv3 CUDA fwd+bwd | DCNv4 CUDA fwd+bwd | dw conv fwd+bwd | reference fwd+bwd |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     fmt = lambda r, k: "-" if k not in r else f"{r[k]:.3f}"  # noqa: E731
     for r in rows:
-        impls = ("dcnv3_triton", "dcnv4_triton", "conv_dw")
+        impls = ("dcnv3_triton", "dcnv4_triton", "dcnv3_cuda", "dcnv4_cuda", "conv_dw")
         cells = [f"{fmt(r, f'{i}_fwd_ms')} / {fmt(r, f'{i}_fwd_graph_ms')}" for i in impls]
         cells += [f"{fmt(r, f'{i}_fb_ms')} / {fmt(r, f'{i}_fb_graph_ms')}" for i in impls]
         cells.append(fmt(r, "dcnv3_reference_fb_ms"))

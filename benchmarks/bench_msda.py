@@ -6,7 +6,11 @@ Loads (Deformable DETR, batch 2, M=8 heads, D=32, L=4 levels 100x150, 50x75, 25x
 pixel of every level a query, 20,568 queries) and the decoder (300 and 900 queries). Locations uniform over each
 level (some outside), attention weights softmaxed. Forward and forward+backward (gradients of value, locations and
 weights), `do_bench` medians of eager calls and of CUDA-graph replays; peak memory of one forward+backward; the
-first call's time. Deformable DETR's own CUDA kernel is not built here: it needs a CUDA toolkit at install time.
+first call's time.
+
+Deformable DETR's own CUDA kernel (its `models/ops`, fp32/fp64 only) joins as the `cuda` row where it is importable:
+installed from its source with its own setup.py (`pip install --no-build-isolation --target DIR models/ops`, then
+DIR on PYTHONPATH), which needs a CUDA toolkit. Nothing of it is part of this repository.
 """
 
 from __future__ import annotations
@@ -36,6 +40,16 @@ def _inputs(queries, dtype):
     return value, shapes, starts, loc, attn
 
 
+def _peer():
+    """Deformable DETR's MSDeformAttnFunction.apply where its extension is installed (see the docstring), else the
+    reason it is not."""
+    try:
+        from functions import MSDeformAttnFunction  # Deformable DETR's models/ops package
+    except Exception as e:  # not installed: the row is left out
+        return None, f"{type(e).__name__}: {e}"[:160]
+    return MSDeformAttnFunction.apply, None
+
+
 def main(argv=None):
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -48,13 +62,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
+    peer, peer_missing = _peer()
     rows = []
     for load, queries in LOADS.items():
         for dt_name in args.dtypes:
             value, shapes, starts, loc, attn = _inputs(queries, getattr(torch, dt_name))
             row = dict(load=load, dtype=dt_name, queries=loc.shape[1])
-            for backend in ("triton", "reference"):
+            for backend in ("triton", "reference") + (("cuda",) if peer else ()):
                 def fwd(backend=backend):
+                    if backend == "cuda":
+                        return peer(value, shapes, starts, loc, attn, 64)
                     return deformconv.ms_deform_attn(value, shapes, starts, loc, attn, backend=backend)
 
                 try:
@@ -83,14 +100,17 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps(row), flush=True)
     env = environment(torch.device("cuda"))
+    env["deformable_detr_cuda"] = "installed" if peer else f"not installed ({peer_missing})"
     print(f"\n{env.get('device')}, torch {torch.__version__}; medians in ms\n")
-    print("| load | dtype | fwd eager / graph | fwd+bwd eager / graph | reference fwd / fwd+bwd | extra peak MiB |")
-    print("|---|---|---|---|---|---|")
+    print("| load | dtype | fwd eager / graph | fwd+bwd eager / graph | Deformable DETR CUDA fwd / fwd+bwd | reference "
+          "fwd / fwd+bwd | extra peak MiB (ours / CUDA) |")
+    print("|---|---|---|---|---|---|---|")
     fmt = lambda r, k: "-" if k not in r else f"{r[k]:.3f}"  # noqa: E731
     for r in rows:
         print(f"| {r['load']} | {r['dtype']} | {fmt(r, 'triton_fwd_ms')} / {fmt(r, 'triton_fwd_graph_ms')} | "
-              f"{fmt(r, 'triton_fb_ms')} / {fmt(r, 'triton_fb_graph_ms')} | {fmt(r, 'reference_fwd_ms')} / "
-              f"{fmt(r, 'reference_fb_ms')} | {fmt(r, 'triton_fb_extra_peak_mib')} |")
+              f"{fmt(r, 'triton_fb_ms')} / {fmt(r, 'triton_fb_graph_ms')} | {fmt(r, 'cuda_fwd_ms')} / "
+              f"{fmt(r, 'cuda_fb_ms')} | {fmt(r, 'reference_fwd_ms')} / {fmt(r, 'reference_fb_ms')} | "
+              f"{fmt(r, 'triton_fb_extra_peak_mib')} / {fmt(r, 'cuda_fb_extra_peak_mib')} |")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(environment=env, records=rows), f, indent=1)
