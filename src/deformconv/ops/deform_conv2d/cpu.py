@@ -20,8 +20,9 @@ corners outside the image land on the zero row and are dropped.
 The GEMMs of the output and of grad_columns run as oneDNN convolutions where torch has oneDNN: the columns
 [n·L, K·C] are the image [n, Ho, Wo·K, C] (channels-last) of a 1×K convolution of stride K, and grad_columns its
 transposed convolution. oneDNN is PyTorch's CPU convolution engine, tuned for each CPU; the BLAS behind ``torch.mm``
-(MKL) takes a slow path on AMD CPUs (docs/tuning.md). bfloat16 inputs multiply in bfloat16 (fp32 accumulation, as
-the GPU's tensor cores): the CPU's bf16 instructions make that 3-4× faster than fp32.
+(MKL) takes a slow path on AMD CPUs (docs/tuning.md). bfloat16 inputs multiply bfloat16 operands (fp32
+accumulation, as the GPU's tensor cores), which the CPU's bf16 instructions run faster than fp32 ones; the sampling
+stays fp32.
 """
 
 from __future__ import annotations
