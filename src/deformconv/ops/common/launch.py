@@ -47,6 +47,12 @@ def gather_tile(default: Tuple[int, int]) -> Tuple[int, int]:
     return options.gather_tile or default
 
 
+def backward_warps(warps: int, fixed: bool) -> int:
+    """A gather kernel's backward warps: twice the tile's in deterministic mode, whose int64 fixed-point scatters
+    take the registers of twice the elements a thread (201-255 a thread at the forward's share, 116-192 at half)."""
+    return warps * 2 if fixed else warps
+
+
 def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 

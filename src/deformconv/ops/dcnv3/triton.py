@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import gather_tile, run_cached
+from ..common.launch import backward_warps, gather_tile, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
 
@@ -218,7 +218,8 @@ def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides
     tensors = (x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
                gmsk if gmsk is not None else msk, scales[0] if fixed else off)
     run_cached(_dcn_bwd_kernel, _grid(geo, meta), tensors, _args(x, geo, strides),
-               dict(meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed))
+               dict(meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed,
+                    num_warps=backward_warps(meta["num_warps"], fixed)))
     if gin is None:
         return None
     if fixed:

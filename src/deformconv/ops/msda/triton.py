@@ -18,7 +18,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import gather_tile, run_cached
+from ..common.launch import backward_warps, gather_tile, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -200,7 +200,8 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
                    gv if gv is not None else v, gloc if gloc is not None else loc,
                    gattn if gattn is not None else attn, scales[0] if fixed else attn)
         run_cached(_msda_bwd_kernel, grid, tensors, sizes,
-                   dict(meta, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed))
+                   dict(meta, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed,
+                        num_warps=backward_warps(meta["num_warps"], fixed)))
     if gv is not None:
         gv = (gv.double() * scales[1].double()).to(value.dtype) if fixed else gv.to(value.dtype)
     return gv, gloc, gattn

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import gather_tile, run_cached
+from ..common.launch import backward_warps, gather_tile, run_cached
 from ..common.sampling import load_grid_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -230,7 +230,8 @@ def deform_roi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, offs
                    goff if goff is not None else go, scales[0] if fixed else go)
         run_cached(_roi_pool_bwd_kernel, (R,), tensors, (N, C, H, W, *input.stride(), float(spatial_scale),
                                                          float(gamma)),
-                   dict(meta, NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed))
+                   dict(meta, NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed,
+                        num_warps=backward_warps(meta["num_warps"], fixed)))
     g_in = None
     if gin is not None:
         g_in = (gin.double() * scales[1].double()) if fixed else gin
