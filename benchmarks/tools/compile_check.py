@@ -30,6 +30,7 @@ import types
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
 os.environ["DEFORMCONV_FAST_LAUNCH"] = "0"  # every launch through the JIT (which compiles and returns)
 os.environ.pop("DEFORMCONV_BACKEND", None)
+os.environ.pop("DEFORMCONV_AUTOTUNE", None)  # the heuristic tiles (autotuning would time on the GPU)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -70,14 +71,12 @@ def force_triton_on_cpu(arch: int) -> None:
     """CPU tensors take the Triton backend (which compiles for the pretend GPU), layout kernels included."""
     from deformconv import backends
     from deformconv.config import options
+    from deformconv.ops.common import launch
+    from deformconv.ops.deform_conv2d import backward, forward
 
     # the tile choice as on a CUDA device of this shared memory (a tile that does not fit is passed over) and
     # compute capability (TMA from 9.0 on)
-    from deformconv.ops.common import launch
-
     launch.tma_supported = lambda device: arch >= 90
-    from deformconv.ops.deform_conv2d import backward, forward
-
     launch.shared_memory_per_block = lambda device: SHARED_LIMIT["bytes"]
     torch.cuda.is_current_stream_capturing = lambda: False
     for module in (forward, backward):
