@@ -42,6 +42,9 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 SHARED_MEMORY = {70: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448, 100: 232448,
                  120: 101376}
 SHARED_LIMIT = {"bytes": 232448}
+SCALARS_CONSTANT = {"on": False}
+POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int64: "*i64",
+                 torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
 COMPILED: dict = {}  # cubin hash -> record
 CASE = {"name": ""}
 
@@ -60,11 +63,33 @@ def pretend_gpu(arch: int) -> None:
                                                 stages=md.num_stages, maxnreg=getattr(md, "maxnreg", None),
                                                 cases=[], cubin=kernel.asm["cubin"]))
         rec["cases"].append(CASE["name"])
+        if SCALARS_CONSTANT["on"]:
+            compile_with_constant_scalars(self, args, kwargs, kernel.metadata.target)
         if md.shared > SHARED_LIMIT["bytes"]:  # as Triton refuses it before launching on such a GPU
             raise OutOfResources(md.shared, SHARED_LIMIT["bytes"], "shared memory")
         return kernel
 
     JITFunction.run = compile_only
+
+
+def compile_with_constant_scalars(fn, args, kwargs, target) -> None:
+    """The kernel compiled again with every scalar argument a constant, as torch.compile's analysis of which tensors
+    a kernel writes compiles it in some torch versions (torch 2.11's did): code that calls a tensor method on an
+    expression of scalar arguments only (e.g. `(H * W).to(...)`) fails there; tl.cast works in both."""
+    from triton.compiler import ASTSource
+
+    options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
+    bound = fn.signature.bind(*args, **{k: v for k, v in kwargs.items() if k not in options})
+    bound.apply_defaults()
+    signature, constants = {}, {}
+    for i, (name, value) in enumerate(bound.arguments.items()):
+        if isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+        elif hasattr(value, "block_shape"):  # a TMA descriptor
+            signature[name] = f"tensordesc<{POINTER_TYPES[value.base.dtype][1:]}{list(value.block_shape)}>"
+        else:
+            signature[name], constants[(i,)] = "constexpr", value
+    triton.compile(ASTSource(fn, signature, constants, {}), target=target, options=options)
 
 
 def force_triton_on_cpu(arch: int) -> None:
@@ -240,12 +265,15 @@ def main(argv=None) -> int:
                     "as CUDA's programming guide lists them)")
     ap.add_argument("--profile", choices=["3.6", "3.8"], help="the kernels' spellings for that Triton (compat."
                     "CodegenProfile); default: the installed Triton's")
+    ap.add_argument("--scalars-constant", action="store_true", help="also compile each kernel with every scalar "
+                    "argument a constant, as torch.compile's mutation analysis does in some torch versions")
     ap.add_argument("--json", help="write the records here")
     a = ap.parse_args(argv)
 
     if a.smem_limit is None:
         a.smem_limit = SHARED_MEMORY.get(a.arch, 101376)
     SHARED_LIMIT["bytes"] = a.smem_limit
+    SCALARS_CONSTANT["on"] = a.scalars_constant
     pretend_gpu(a.arch)
     force_triton_on_cpu(a.arch)
     if a.profile:

@@ -128,7 +128,7 @@ def _deform_conv2d_bwd_data_kernel(
     if NSEG > 1:  # --- short segments: chunks of NSEG whole offset groups, one sample point per group ---
         offs_s = tl.arange(0, NSEG)
         PIX = SEG if GROUPED else CIN  # pixel and offset-group strides of x and grad_input (see the forward)
-        GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
+        GS = tl.cast(H * W, tl.int64) * SEG if GROUPED else 0  # tl.cast: H, W may be constants (torch.compile)
         for tap in range(tap_lo, tap_hi):
             y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
             for gc in range(CIN // CIN_G):

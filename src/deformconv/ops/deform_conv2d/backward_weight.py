@@ -126,7 +126,7 @@ def _deform_conv2d_bwd_weight_kernel(
     L = HO * WO
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     PIX = SEG if GROUPED else CIN  # the input's pixel and offset-group strides (see the forward)
-    GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
+    GS = tl.cast(H * W, tl.int64) * SEG if GROUPED else 0  # tl.cast: H, W may be constants (torch.compile)
 
     # --- M loop (this split's share) ---
     if PER_IMAGE:

@@ -118,7 +118,7 @@ def _deform_conv2d_fwd_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # the input's pixel stride (GROUPED: a constexpr, so Triton knows each corner run is SEG-aligned) and group stride
     PIX = SEG if GROUPED else CIN
-    GS = (H * W).to(tl.int64) * SEG if GROUPED else 0
+    GS = tl.cast(H * W, tl.int64) * SEG if GROUPED else 0  # tl.cast: H, W may be constants (torch.compile)
 
     # --- K loop, short segments: one flat loop over (tap, chunk of NSEG segments) steps, one sample point per
     # segment; the next step's offsets and corners are loaded before this step's blend and dot (by hand: the
