@@ -38,7 +38,7 @@ def _inputs(queries, dtype):
     value = torch.randn(n, int(sizes.sum()), m, d, device="cuda", generator=gen).to(dtype).requires_grad_()
     loc = (torch.rand(n, lq, m, len(LEVELS), p, 2, device="cuda", generator=gen) * 1.1 - 0.05).requires_grad_()
     attn = torch.softmax(torch.randn(n, lq, m, len(LEVELS) * p, device="cuda", generator=gen), -1)
-    attn = attn.view(n, lq, m, len(LEVELS), p).to(dtype).requires_grad_()
+    attn = attn.view(n, lq, m, len(LEVELS), p).to(dtype).clone().requires_grad_()  # a leaf of its own, not a view
     return value, shapes, starts, loc, attn
 
 
