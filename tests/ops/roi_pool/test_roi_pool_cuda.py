@@ -56,7 +56,7 @@ def test_against_the_reference(name, dtype, channels_last):
         assert_close(a, b, dtype, what)
     # grad_offset: where a sample point lies within rounding of a whole pixel its derivative is one-sided, and fp32
     # (ours) and fp64 (the reference) may take either side; there ours must match the reference at an offset moved by
-    # 0.01 either way. Everywhere else (all but a few in 10^4), the reference itself.
+    # 0.01 either way. Everywhere else (all but at most one in 10^3), the reference itself.
     atol, rtol = TOL[dtype]
     a, b = ours[2].detach().double(), ref[2].detach().double()
     assert not torch.isnan(a).any(), "grad_offset: NaN"
