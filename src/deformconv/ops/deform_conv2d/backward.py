@@ -236,6 +236,11 @@ def _backward_chunk(
     # --- grad_input (atomics: fp32, or int64 fixed point when deterministic), grad_offset, grad_mask ---
     try:
         if need_in or need_off or need_mask:
+            if config.tracing():
+                # torch's analysis of what a kernel writes follows loaded values into the addresses they index, so it
+                # counts the offsets and mask (which place grad_input's scatters) as written, and a written graph
+                # input fails the compile: the traced kernel reads copies
+                off, msk = off.clone(), msk.clone()
             acc = gin if need_in else off
             goff = grad_off if need_off else off
             gmsk = grad_mask if need_mask else off
