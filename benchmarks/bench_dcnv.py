@@ -68,7 +68,7 @@ def main(argv=None):
     from triton.testing import do_bench, do_bench_cudagraph
 
     import deformconv
-    from deformconv.benchmark import environment
+    from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -126,8 +126,7 @@ def main(argv=None):
         cells.append(fmt(r, "dcnv3_reference_fb_ms"))
         print(f"| {r['shape']} | {r['dtype']} | " + " | ".join(cells) + " |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=env, records=rows), f, indent=1)
+        write_results(args.out, env, rows)
 
 
 if __name__ == "__main__":

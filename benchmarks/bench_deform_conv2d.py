@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from deformconv.benchmark import GPU_SHAPES, environment, memory_table, run, table
+from deformconv.benchmark import GPU_SHAPES, environment, memory_table, run, table, write_results
 
 
 def main(argv=None):
@@ -43,8 +43,7 @@ def main(argv=None):
           + "\n\n### Forward+backward memory (MiB): extra peak / workspace = the extra peak less the output and "
           "the gradients returned\n\n" + memory_table(records))
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": env, "records": records}, f, indent=1)
+        write_results(args.out, env, records)
     if args.markdown:
         with open(args.markdown, "w") as f:
             f.write(md + "\n")

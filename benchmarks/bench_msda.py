@@ -56,7 +56,7 @@ def main(argv=None):
     from triton.testing import do_bench, do_bench_cudagraph
 
     import deformconv
-    from deformconv.benchmark import environment
+    from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
@@ -114,8 +114,7 @@ def main(argv=None):
               f"{fmt(r, 'cuda_fb_ms')} | {fmt(r, 'reference_fwd_ms')} / {fmt(r, 'reference_fb_ms')} | "
               f"{fmt(r, 'triton_fb_extra_peak_mib')} / {fmt(r, 'cuda_fb_extra_peak_mib')} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=env, records=rows), f, indent=1)
+        write_results(args.out, env, rows)
 
 
 if __name__ == "__main__":

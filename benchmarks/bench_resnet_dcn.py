@@ -177,7 +177,7 @@ def layer_times(case, dtype, log):
 def main(argv=None):
     import torchvision
 
-    from deformconv.benchmark import environment
+    from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", nargs="+", default=["b32-224:bfloat16", "b32-224:float16", "b2-800x1216:bfloat16"],
@@ -216,8 +216,7 @@ def main(argv=None):
                   f"{ours:.3f} | {conv:.3f} | {ours / conv:.2f} | {r.get('deformconv_fb_ms', 0):.3f} | "
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "records": records, "layers": layers}, f, indent=1)
+        write_results(args.out, environment("cuda"), records, layers=layers)
 
 
 if __name__ == "__main__":

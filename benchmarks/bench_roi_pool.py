@@ -50,7 +50,7 @@ def main(argv=None):
     import torchvision
 
     import deformconv
-    from deformconv.benchmark import environment
+    from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16"])
@@ -106,8 +106,7 @@ def main(argv=None):
                       f"{a / b:.2f}" if a and b else "-"]
         print(f"| {r['level']} | {r['sampling_ratio']} | {r['dtype']} | " + " | ".join(cells) + " |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=env, records=rows), f, indent=1)
+        write_results(args.out, env, rows)
 
 
 if __name__ == "__main__":

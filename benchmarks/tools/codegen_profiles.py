@@ -20,7 +20,7 @@ def main(argv=None):
     from triton.testing import do_bench_cudagraph
 
     import deformconv
-    from deformconv.benchmark import GPU_SHAPES, environment, make_inputs
+    from deformconv.benchmark import GPU_SHAPES, environment, make_inputs, write_results
     from deformconv.compat import TRITON_3_6, TRITON_3_8
     from deformconv.config import options
 
@@ -70,8 +70,7 @@ def main(argv=None):
         print(f"| {r['shape']} | {r['dtype']} | {r['fwd_3.6']:.3f} | {r['fwd_3.8']:.3f} | {r['fwd_3.8'] / r['fwd_3.6']:.3f} "
               f"| {r['fb_3.6']:.3f} | {r['fb_3.8']:.3f} | {r['fb_3.8'] / r['fb_3.6']:.3f} |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"environment": environment("cuda"), "records": rows}, f, indent=1)
+        write_results(args.out, environment("cuda"), rows)
 
 
 if __name__ == "__main__":

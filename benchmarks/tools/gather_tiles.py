@@ -52,7 +52,7 @@ def _loads(dtype):
 def main(argv=None):
     from triton.testing import do_bench
 
-    from deformconv.benchmark import environment
+    from deformconv.benchmark import environment, write_results
     from deformconv.config import options
     from deformconv.ops.dcnv3.triton import TILE as DCN_TILE
     from deformconv.ops.msda.triton import TILE as MSDA_TILE
@@ -96,8 +96,7 @@ def main(argv=None):
         base = "-" if None in (base_f, base_b) else f"{base_f:.3f} / {base_b:.3f}"
         print(f"| {r['family']} | {r['load']} | {r['dtype']} | {base} | " + " | ".join(cells) + " |")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=env, records=rows), f, indent=1)
+        write_results(args.out, env, rows)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Records: {"shape", "dtype", "impl", "backend", "pass": "fwd"|"fwd+bwd", "median_
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import platform
 import statistics
@@ -248,6 +249,13 @@ def environment(device) -> dict:
         except ImportError:
             pass
     return env
+
+
+def write_results(path: str, env: dict, records: Sequence, **sections) -> None:
+    """A results file as benchmarks/results keeps them: the environment (device, versions, date, timer: what makes
+    the numbers comparable), the records, and any further sections, as JSON."""
+    with open(path, "w") as f:
+        json.dump({"environment": env, "records": list(records), **sections}, f, indent=1)
 
 
 def table(records: Sequence[dict], field: str = "median_ms") -> str:

@@ -5,7 +5,6 @@ shapes; on a GPU the five anchor shapes."""
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
 
@@ -62,7 +61,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(benchmark.table(records))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"environment": env, "records": records}, f, indent=1)
+        benchmark.write_results(args.json, env, records)
         print(f"wrote {args.json}")
     return 0
