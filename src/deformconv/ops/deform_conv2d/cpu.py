@@ -162,10 +162,9 @@ def _weight_taps(weight: Tensor, gdtype: torch.dtype) -> Tensor:
     return weight.to(gdtype).reshape(cout, cin_g, 1, kh * kw).contiguous(memory_format=torch.channels_last)
 
 
-def _columns_image(col: Tensor, geo: ConvGeometry, gdtype: torch.dtype) -> Tensor:
+def _columns_image(col: Tensor, geo: ConvGeometry) -> Tensor:
     """The columns [n, L, K, C] as the 1×K convolution's input [n, C, Ho, Wo·K] (a channels-last view)."""
-    n = col.shape[0]
-    return col.to(gdtype).view(n, geo.out_h, geo.out_w * geo.taps, geo.in_channels).permute(0, 3, 1, 2)
+    return col.view(col.shape[0], geo.out_h, geo.out_w * geo.taps, geo.in_channels).permute(0, 3, 1, 2)
 
 
 def _group_columns(col: Tensor, geo: ConvGeometry, gi: int) -> Tensor:
@@ -197,7 +196,7 @@ def deform_conv2d_forward(
         samples.values(_rows(input[s:e], geo, ctype), col, _scratch("corner", samples.shape, ctype, input.device))
         col = samples.modulated(col, gdtype, "gemm_columns").view(e - s, L, geo.taps, geo.in_channels)
         if conv:
-            res = F.conv2d(_columns_image(col, geo, gdtype), wm, None if bias is None else bias.to(gdtype),
+            res = F.conv2d(_columns_image(col, geo), wm, None if bias is None else bias.to(gdtype),
                            stride=(1, geo.taps), groups=geo.groups)
             out[s:e] = res.permute(0, 2, 3, 1)
             continue
@@ -223,14 +222,15 @@ def deform_conv2d_backward(
     conv = _by_convolution(gdtype)
     N, G, K, L = geo.batch, geo.offset_groups, geo.taps, geo.out_h * geo.out_w
     cout_g, cin_g = geo.out_channels // geo.groups, geo.in_channels // geo.groups
-    wm = _weight_matrix(weight, geo.groups, gdtype)
+    # the weight as the 1×K convolution's (grad_columns) or as GEMM operands
     wt = _weight_taps(weight, gdtype) if conv else None
+    wm = None if conv else _weight_matrix(weight, geo.groups, gdtype)
     go_img = grad_out.to(gdtype).contiguous(memory_format=torch.channels_last)  # [N, Cout, Ho, Wo], NHWC in memory
     go_all = go_img.permute(0, 2, 3, 1).reshape(N * L, geo.out_channels)
     dev = input.device
 
     grad_b = go_all.sum(0, dtype=ctype).to(weight.dtype) if need_b else None
-    grad_wm = torch.zeros_like(wm, dtype=ctype) if need_w else None
+    grad_wm = torch.zeros((geo.groups, K * cin_g, cout_g), dtype=ctype, device=dev) if need_w else None
     # grad_input as [N, H, W, C]
     grad_in = torch.empty((N, geo.height, geo.width, geo.in_channels), dtype=ctype, device=dev) if need_in else None
     grad_off = torch.empty((N, G, K, 2, L), dtype=ctype, device=dev) if need_off else None
