@@ -47,6 +47,14 @@ def gather_tile(default: Tuple[int, int]) -> Tuple[int, int]:
     return options.gather_tile or default
 
 
+def channel_row_blocks(channels: int, default: Tuple[int, int]) -> Tuple[int, int, int]:
+    """(BLOCK rows, BLOCK_D, warps) of a gather kernel whose program holds every channel of its rows (positions,
+    queries): BLOCK_D the power of two at or above channels, and rows filling the tile (gather_tile), 4 to 128."""
+    elements, warps = gather_tile(default)
+    block_d = 1 << (max(channels, 1) - 1).bit_length()
+    return max(4, min(128, elements // block_d)), block_d, warps
+
+
 def backward_warps(warps: int, fixed: bool) -> int:
     """A gather kernel's backward warps: twice the tile's in deterministic mode, whose int64 fixed-point scatters
     take the registers of twice the elements a thread (201-255 a thread at the forward's share, 116-192 at half)."""

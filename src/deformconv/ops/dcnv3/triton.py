@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, gather_tile, run_cached
+from ..common.launch import backward_warps, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
 
@@ -33,14 +33,6 @@ from .geometry import DcnGeometry
 # (elements, warps) of a program: BLOCK_M·BLOCK_D = 1024 over 4 warps, 8 a thread. Each element holds 4 corner
 # values; larger tiles compile to 140-255 registers a thread (2-3 programs an SM), this one to 64-128.
 TILE = (1024, 4)
-
-
-def _blocks(d: int) -> Tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_D, warps): all D channels (a power of two at or above D), and positions filling the tile,
-    4 to 128."""
-    elements, warps = gather_tile(TILE)
-    block_d = triton.next_power_of_2(max(d, 1))
-    return max(4, min(128, elements // block_d)), block_d, warps
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -185,7 +177,7 @@ def _args(input: Tensor, geo: DcnGeometry, strides: Sequence[int]) -> tuple:
 
 
 def _meta(geo: DcnGeometry) -> dict:
-    block_m, block_d, warps = _blocks(geo.group_channels)
+    block_m, block_d, warps = channel_row_blocks(geo.group_channels, TILE)  # BLOCK_M positions
     return dict(D=geo.group_channels, KH=geo.kernel[0], KW=geo.kernel[1], K=geo.points,
                 REMOVE_CENTER=geo.remove_center, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
 

@@ -18,20 +18,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, gather_tile, run_cached
+from ..common.launch import backward_warps, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
 
 TILE = (1024, 4)  # (elements, warps) of a program: as DCNv3's kernels (ops/dcnv3/triton.py), the same gathers
-
-
-def _blocks(d: int) -> Tuple[int, int, int]:
-    """(BLOCK_Q, BLOCK_D, warps): all D channels (a power of two at or above D), and queries filling the tile, 4 to
-    128."""
-    elements, warps = gather_tile(TILE)
-    block_d = triton.next_power_of_2(max(d, 1))
-    return max(4, min(128, elements // block_d)), block_d, warps
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -159,7 +151,7 @@ def _msda_bwd_kernel(
 def _setup(value: Tensor, sampling_locations: Tensor):
     n, s, m, d = value.shape
     _, lq, _, levels, points, _ = sampling_locations.shape
-    block_q, block_d, warps = _blocks(d)
+    block_q, block_d, warps = channel_row_blocks(d, TILE)  # BLOCK_Q queries
     grid = (triton.cdiv(n * lq, block_q), m)
     meta = dict(D=d, L=levels, P=points, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=warps)
     return grid, (n * lq, lq, s, m), meta  # (the sizes: the kernels' runtime arguments)
