@@ -65,3 +65,31 @@ def test_fast_path_equals_the_op_and_skips_the_dispatcher(name, fn, leaves, auto
     torch.testing.assert_close(out, op_out, atol=0, rtol=0)
     for g, og in zip(grads, op_grads):
         torch.testing.assert_close(g, og, atol=0, rtol=0)
+
+
+def _all_calls():
+    """_calls() and deform_conv2d."""
+    torch.manual_seed(1)
+    conv = ("deform_conv2d", lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m),
+            [torch.randn(2, 4, 5, 7), torch.randn(2, 18, 5, 7), torch.randn(6, 4, 3, 3), torch.randn(6),
+             torch.rand(2, 9, 5, 7)])
+    return _calls() + [conv]
+
+
+@pytest.mark.parametrize("name,fn,leaves", _all_calls(), ids=[c[0] for c in _all_calls()])
+@pytest.mark.parametrize("autocast", [False, True], ids=["plain", "autocast-bf16"])
+@pytest.mark.parametrize("how", ["no_grad", "no-input-requires-grad"])
+def test_calls_without_gradients_build_no_node_and_equal_the_op(name, fn, leaves, autocast, how):
+    """Inference (grad mode off, or no input requiring grad) skips the autograd node as well, with the op's result."""
+    ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if autocast else contextlib.nullcontext
+    grad_mode = torch.no_grad if how == "no_grad" else contextlib.nullcontext
+    leaves = [t.detach().clone().requires_grad_(how == "no_grad") for t in leaves]
+    with ctx(), grad_mode():
+        out = fn(*leaves)
+        seen = _Seen()
+        with seen:
+            op_out = fn(*leaves)
+    assert out.grad_fn is None and not out.requires_grad
+    assert any(f"deformconv.{name}" in op for op in seen.ops), seen.ops[:5]
+    assert out.dtype == op_out.dtype == (torch.bfloat16 if autocast else torch.float32)
+    torch.testing.assert_close(out, op_out, atol=0, rtol=0)

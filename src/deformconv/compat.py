@@ -97,3 +97,62 @@ def register_op_kernels(qualname: str, kernels: list) -> None:
     table = getattr(library_triton, "triton_ops_to_kernels", None)
     if isinstance(table, dict):
         table[qualname] = list(kernels)
+
+
+# --- kernel launches (ops/common/launch.py) ----------------------------------------------------------------------
+
+
+def direct_launcher(compiled):
+    """A callable launching a compiled kernel, ``go(grid, *args)`` (args: every parameter in signature order,
+    constexprs included, as Triton's own launcher takes them), that skips the Python Triton runs around its C
+    launcher at every call (the current device and stream looked up through its driver proxy, launch metadata, hooks,
+    scratch allocators: tens of microseconds on a slow host); None where this Triton's launcher is not one of the
+    forms below, or the kernel needs what that Python does (global or profile scratch memory, instrumentation).
+    Launch hooks (a profiler's) are honoured by the caller, who takes Triton's path while one is set.
+
+    The C launcher's arguments: Triton 3.6 takes (grid x, y, z, stream, function, cooperative, pdl, global scratch,
+    profile scratch, kernel metadata, launch metadata, enter hook, exit hook, *args); Triton 3.8 takes (grid, stream,
+    function, cooperative, pdl, kernel metadata, launch metadata, hooks, scratches, argument annotations, kernel
+    signature, args). Other versions get the launcher object's own call, which both share."""
+    import torch
+
+    run = getattr(compiled, "run", None)
+    function, packed = getattr(compiled, "function", None), getattr(compiled, "packed_metadata", None)
+    if run is None or function is None or packed is None:
+        return None
+    if (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
+            or getattr(run, "gsan_enabled", False)):
+        return None
+    stream_of, device = getattr(torch._C, "_cuda_getCurrentRawStream", None), getattr(torch._C, "_cuda_getDevice", None)
+    if stream_of is None or device is None:  # a torch built without CUDA
+        return None
+    launch = getattr(run, "launch", None)
+    coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
+    version = triton_version()
+    if launch is not None and coop is not None and pdl is not None and version == (3, 6):
+        def go(grid, *args):
+            launch(grid[0], grid[1], grid[2], stream_of(device()), function, coop, pdl, None, None, packed, None, None,
+                   None, *args)
+    elif launch is not None and coop is not None and pdl is not None and version == (3, 8) and hasattr(run, "arg_annotations"):
+        annotations, signature = run.arg_annotations, run.kernel_signature
+
+        def go(grid, *args):
+            launch(grid[0], grid[1], grid[2], stream_of(device()), function, coop, pdl, packed, None, None, None, None,
+                   None, annotations, signature, args)
+    else:
+        def go(grid, *args):
+            run(grid[0], grid[1], grid[2], stream_of(device()), function, packed, None, None, None, *args)
+    return go
+
+
+_RUNTIME_KNOBS = getattr(getattr(triton, "knobs", None), "runtime", None)
+
+
+def launch_hooks_set() -> bool:
+    """Whether a Triton launch hook is set (a profiler's): launches then take Triton's own path, which calls it. (A
+    hook is None or a function in Triton 3.6, a chain of functions in Triton 3.8.)"""
+    if _RUNTIME_KNOBS is None:
+        return False
+    enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True)))

@@ -72,6 +72,21 @@ class DeformConv2dFunction(torch.autograd.Function):
         return input_grads(ctx, grad_out, backward_impl, pass_kept=True)
 
 
+def forward_without_grad(args: tuple) -> Tensor:
+    """DeformConv2dFunction's forward where no gradient can be asked for (grad mode off, or no input requiring one):
+    no autograd node to build (inference calls, which gain the node's host time)."""
+    device_type = "cuda" if args[0].is_cuda else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
+            return forward_impl(*args)
+    return forward_impl(*args)
+
+
+def needs_grad(tensors: List[Optional[Tensor]]) -> bool:
+    """Whether autograd records a call on these tensors: grad mode on and one of them requiring grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 class _EagerOp(torch.autograd.Function):
     """The new ops' eager fast path (run_eager): their forward and backward implementations around one autograd node,
     without the custom-op dispatcher. Arguments: forward(*args) -> out; backward(grad_out, *args, needs) -> the
@@ -113,7 +128,8 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
         tensors = [a for a in args if isinstance(a, Tensor)]
     if not fast_path_ok(tensors):
         return None
+    record = needs_grad(tensors)  # else no autograd node (inference)
     if autocasting:
         with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
-            return _EagerOp.apply(forward, backward, tuple(differentiable), *args)
-    return _EagerOp.apply(forward, backward, tuple(differentiable), *args)
+            return _EagerOp.apply(forward, backward, tuple(differentiable), *args) if record else forward(*args)
+    return _EagerOp.apply(forward, backward, tuple(differentiable), *args) if record else forward(*args)

@@ -11,7 +11,7 @@ from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
-from .eager import DeformConv2dFunction, fast_path_ok
+from .eager import DeformConv2dFunction, fast_path_ok, forward_without_grad, needs_grad
 from .library import autocast_inputs
 
 
@@ -94,8 +94,8 @@ def deform_conv2d(
     if autocasting:  # the cast the op's autocast rule makes (library.py), done here for the eager fast path
         tensors = autocast_inputs(tensors, input.device.type)
     args = (*tensors, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
-    if fast_path_ok(tensors):
-        return DeformConv2dFunction.apply(*args)  # plain eager: the same impls, without the dispatcher
+    if fast_path_ok(tensors):  # plain eager: the same impls, without the dispatcher
+        return DeformConv2dFunction.apply(*args) if needs_grad(tensors) else forward_without_grad(args)
     return torch.ops.deformconv.deform_conv2d(*args)
 
 

@@ -235,37 +235,41 @@ def test_autotune_keeps_default_unless_5_percent_faster(monkeypatch, forced):
 
 
 class _FakeCompiled:
-    """Stands in for triton's CompiledKernel: ``compiled[grid](*args)`` launches."""
-
-    packed_metadata = object()
-
-    def __init__(self, log, fail=False):
-        self.log, self.fail = log, fail
-
-    def __getitem__(self, grid):
-        def runner(*args):
-            if self.fail:
-                raise IndexError("launcher wants other arguments")
-            self.log.append(("direct", grid, args))
-        return runner
+    """Stands in for triton's CompiledKernel (what its JIT call returns)."""
 
 
 class _FakeJit:
     arg_names = ["x", "y", "N", "BLOCK", "FLAG"]
 
-    def __init__(self, fail=False):
-        self.log, self.fail = [], fail
+    def __init__(self):
+        self.log = []
 
     def __getitem__(self, grid):
         def run(*args, **meta):
             self.log.append(("jit", grid, args, meta))
-            return _FakeCompiled(self.log, self.fail)
+            return _FakeCompiled()
         return run
+
+
+def _fake_direct(monkeypatch, log, fail=False):
+    """compat.direct_launcher replaced by one whose launcher logs (or refuses its arguments, as a Triton whose
+    launcher wants others would)."""
+    def direct_launcher(compiled):
+        assert isinstance(compiled, _FakeCompiled)
+
+        def go(grid, *args):
+            if fail:
+                raise IndexError("launcher wants other arguments")
+            log.append(("direct", grid, args))
+        return go
+
+    monkeypatch.setattr(K.launch, "direct_launcher", direct_launcher)
 
 
 def test_launch_goes_direct_after_the_first_call(monkeypatch, forced):
     monkeypatch.delenv("DEFORMCONV_FAST_LAUNCH", raising=False)
     fn = _FakeJit()
+    _fake_direct(monkeypatch, fn.log)
     run = K.launch.Launch(fn, (4,), (7,), dict(BLOCK=16, FLAG=True, num_warps=4))
     run("a", "b")
     run("c", "d")
@@ -276,11 +280,81 @@ def test_launch_goes_direct_after_the_first_call(monkeypatch, forced):
 
 def test_launch_falls_back_to_the_jit_when_the_launcher_refuses(monkeypatch, forced):
     monkeypatch.delenv("DEFORMCONV_FAST_LAUNCH", raising=False)
-    fn = _FakeJit(fail=True)
+    fn = _FakeJit()
+    _fake_direct(monkeypatch, fn.log, fail=True)
     run = K.launch.Launch(fn, (4, 2), (7,), dict(BLOCK=16, FLAG=False, num_warps=4))
     for t in ("a", "b", "c"):
         run(t, t)
     assert [e[0] for e in fn.log] == ["jit", "jit", "jit"]  # one refused try, then the JIT for good
+
+
+def test_launch_takes_the_jit_while_a_launch_hook_is_set(monkeypatch, forced):
+    """A profiler's launch hook sees every launch: while one is set, launches take Triton's path, which calls it."""
+    monkeypatch.delenv("DEFORMCONV_FAST_LAUNCH", raising=False)
+    fn = _FakeJit()
+    _fake_direct(monkeypatch, fn.log)
+    hooked = [False]
+    monkeypatch.setattr(K.launch, "launch_hooks_set", lambda: hooked[0])
+    run = K.launch.Launch(fn, (4,), (7,), dict(BLOCK=16, FLAG=True, num_warps=4))
+    run("a", "b")
+    hooked[0] = True
+    run("c", "d")
+    hooked[0] = False
+    run("e", "f")
+    assert [e[0] for e in fn.log] == ["jit", "jit", "direct"]
+
+
+class _FakeLauncher:
+    """Stands in for Triton's CudaLauncher: its C launch function and its call, both logged."""
+
+    def __init__(self, log, scratch=0, with_launch=True, annotations=False):
+        self.global_scratch_size, self.profile_scratch_size = scratch, 0
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        if with_launch:
+            self.launch = lambda *a: log.append(("c", a))
+        if annotations:
+            self.arg_annotations, self.kernel_signature = "ann", b"sig"
+        self.log = log
+
+    def __call__(self, *a):
+        self.log.append(("call", a))
+
+
+class _Compiled:
+    function, packed_metadata = 99, (4, 1, 0)
+
+    def __init__(self, run):
+        self.run = run
+
+
+@pytest.mark.parametrize("version,form", [((3, 6), "3.6"), ((3, 8), "3.8"), ((3, 7), "call")])
+def test_direct_launcher_passes_each_tritons_launcher_its_arguments(monkeypatch, version, form):
+    """compat.direct_launcher hands the C launcher of Triton 3.6 and 3.8 their argument lists (checked against their
+    sources: driver.py's format "iiiKKppOOOOOO" and driver.c's "iiiKKpp(iii)OOOOOOy*O"), any other Triton the
+    launcher object's own call; the current device's current stream each launch."""
+    from deformconv import compat
+
+    log = []
+    monkeypatch.setattr(compat, "triton_version", lambda: version)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 3)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1000 + device)
+    launcher = _FakeLauncher(log, with_launch=form != "call", annotations=form == "3.8")
+    go = compat.direct_launcher(_Compiled(launcher))
+    go((5, 2, 1), "x", 7, 16)
+    expected = {
+        "3.6": ("c", (5, 2, 1, 1003, 99, False, True, None, None, (4, 1, 0), None, None, None, "x", 7, 16)),
+        "3.8": ("c", (5, 2, 1, 1003, 99, False, True, (4, 1, 0), None, None, None, None, None, "ann", b"sig",
+                      ("x", 7, 16))),
+        "call": ("call", (5, 2, 1, 1003, 99, (4, 1, 0), None, None, None, "x", 7, 16)),
+    }[form]
+    assert log == [expected]
+
+
+def test_direct_launcher_leaves_kernels_with_scratch_memory_to_triton(monkeypatch):
+    from deformconv import compat
+
+    assert compat.direct_launcher(_Compiled(_FakeLauncher([], scratch=128))) is None
+    assert compat.direct_launcher(object()) is None  # not a compiled kernel (e.g. the interpreter's result)
 
 
 def test_fast_launch_can_be_turned_off(monkeypatch, forced):

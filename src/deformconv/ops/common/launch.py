@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ... import config
-from ...compat import TensorDescriptor
+from ...compat import TensorDescriptor, direct_launcher, launch_hooks_set
 from ...config import options
 
 
@@ -96,7 +96,7 @@ class Launch:
     def __init__(self, fn, grid: tuple, args: tuple, meta: dict):
         self.fn, self.args, self.meta = fn, args, meta
         self.grid = tuple(grid) + (1,) * (3 - len(grid))  # the compiled launcher wants all 3 grid dims
-        self.runner = None
+        self.runner = None  # compat.direct_launcher's, after the first call
         self.tail: tuple = ()
         self.fast = config.fast_launch()
 
@@ -104,18 +104,18 @@ class Launch:
         if config.tracing():  # recorded into the graph; the compiled code launches it (config.tracing)
             torch.library.wrap_triton(self.fn)[self.grid](*tensors, *self.args, **self.traced_meta())
             return
-        if self.runner is not None:
+        if self.runner is not None and not launch_hooks_set():
             try:
-                self.runner(*tensors, *self.args, *self.tail)
+                self.runner(self.grid, *tensors, *self.args, *self.tail)
                 return
             except (TypeError, IndexError, ValueError):  # raised before launching: this Triton's launcher
                 self.runner, self.fast = None, False     # wants other arguments; stay on the JIT path
         compiled = self.fn[self.grid](*tensors, *self.args, **self.meta)
-        if self.fast and hasattr(compiled, "packed_metadata") and hasattr(compiled, "__getitem__"):
+        if self.fast:
             # the launcher takes every parameter in signature order, constexprs included
             names = self.fn.arg_names[len(tensors) + len(self.args):]
             self.tail = tuple(self.meta[n] for n in names)
-            self.runner = compiled[self.grid]
+            self.runner = direct_launcher(compiled)
 
     def traced_meta(self) -> dict:
         """The meta arguments as a traced launch passes them: without a register cap (maxnreg), which Inductor's

@@ -181,12 +181,14 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
     go = grad_out.contiguous()
     fixed = need_v and torch.are_deterministic_algorithms_enabled()
     gv = torch.zeros(v.shape, dtype=torch.int64 if fixed else torch.float32, device=v.device) if need_v else None
-    gloc = torch.zeros_like(loc) if need_loc else None
-    gattn = torch.zeros_like(attn) if need_attn else None
+    launch = bool(go.numel() and v.numel())
+    written = torch.empty_like if launch else torch.zeros_like  # the kernel stores each of these elements once
+    gloc = written(loc) if need_loc else None
+    gattn = written(attn) if need_attn else None
     scales = None
     if fixed:  # a contribution is go · a · (bilinear weight <= 1); Lq·P of them reach one element of a level
         scales = scales_for(max_abs(go) * max_abs(attn) * (loc.shape[1] * loc.shape[4]))
-    if go.numel() and v.numel():
+    if launch:
         grid, sizes, meta = _setup(v, loc)
         tensors = (v, spatial_shapes.contiguous(), level_start_index.contiguous(), loc, attn, go,
                    gv if gv is not None else v, gloc if gloc is not None else loc,

@@ -86,6 +86,25 @@ def _axis(c, size):
 
 
 @triton.jit
+def _per_bin(v, BINS_FAST: tl.constexpr):
+    """A [BLOCK_BINS] vector as a column of the forward's tile: [1, BLOCK_BINS] where bins run along the threads
+    (BINS_FAST), else [BLOCK_BINS, 1]."""
+    if BINS_FAST:
+        return v[None, :]
+    else:
+        return v[:, None]
+
+
+@triton.jit
+def _per_channel(v, BINS_FAST: tl.constexpr):
+    """A [BLOCK_C] vector as the other axis of the forward's tile (see _per_bin)."""
+    if BINS_FAST:
+        return v[:, None]
+    else:
+        return v[None, :]
+
+
+@triton.jit
 def _roi_pool_fwd_kernel(
     x_ptr,        # input [N, C, H, W], strides below (any layout)
     rois_ptr,     # [R, 5]
@@ -94,6 +113,8 @@ def _roi_pool_fwd_kernel(
     N, C, H, W, sn, sc, sh, sw, SCALE, GAMMA,
     PH: tl.constexpr, PW: tl.constexpr, SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr,
     BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
+    BINS_FAST: tl.constexpr,  # the tile [BLOCK_C, BLOCK_BINS], bins along the threads (an input whose channels are
+                              # planes apart: neighbouring bins' samples lie near each other); else [BLOCK_BINS, BLOCK_C]
 ):
     """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
     r = tl.program_id(0)
@@ -104,22 +125,27 @@ def _roi_pool_fwd_kernel(
     # no tuple target is named "_": Triton would carry it through the loops below with changing types
     b, bin_live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA,
                                                                  PH, PW, SAMPLING, HAS_OFFSET)
-    base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
-    acc = tl.zeros((BLOCK_BINS, BLOCK_C), dtype=tl.float32)
+    base = x_ptr + b * sn + _per_channel(offs_c.to(tl.int64) * sc, BINS_FAST)
+    c_live = _per_channel(c_ok, BINS_FAST)
+    if BINS_FAST:
+        acc = tl.zeros((BLOCK_C, BLOCK_BINS), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_BINS, BLOCK_C), dtype=tl.float32)
     for iy in range(gh):
         y = sy + (iy + 0.5) * bin_h / gh
         yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
         for ix in range(gw):
             x = sx + (ix + 0.5) * bin_w / gw
             xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
-            live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
-            v00, v01, v10, v11 = load_grid_corners(base, (yl * sh)[:, None], (yh * sh)[:, None], (xl * sw)[:, None],
-                                                   (xh * sw)[:, None], live)
-            acc += (wyl * wxl)[:, None] * v00 + (wyl * wxh)[:, None] * v01 + (wyh * wxl)[:, None] * v10 \
-                + (wyh * wxh)[:, None] * v11
+            live = _per_bin(bin_live & in_y & in_x, BINS_FAST) & c_live
+            v00, v01, v10, v11 = load_grid_corners(base, _per_bin(yl * sh, BINS_FAST), _per_bin(yh * sh, BINS_FAST),
+                                                   _per_bin(xl * sw, BINS_FAST), _per_bin(xh * sw, BINS_FAST), live)
+            acc += _per_bin(wyl * wxl, BINS_FAST) * v00 + _per_bin(wyl * wxh, BINS_FAST) * v01 \
+                + _per_bin(wyh * wxl, BINS_FAST) * v10 + _per_bin(wyh * wxh, BINS_FAST) * v11
     count = tl.maximum(gh * gw, 1).to(tl.float32)
-    out = out_ptr + r.to(tl.int64) * C * PH * PW + (offs_c.to(tl.int64) * (PH * PW))[None, :] + bins[:, None]
-    tl.store(out, (acc / count).to(out_ptr.dtype.element_ty), mask=bin_ok[:, None] & c_ok[None, :])
+    out = out_ptr + r.to(tl.int64) * C * PH * PW + _per_channel(offs_c.to(tl.int64) * (PH * PW), BINS_FAST) \
+        + _per_bin(bins, BINS_FAST)
+    tl.store(out, (acc / count).to(out_ptr.dtype.element_ty), mask=_per_bin(bin_ok, BINS_FAST) & c_live)
 
 
 @triton.jit
@@ -184,6 +210,12 @@ def _roi_pool_bwd_kernel(
 # --- launchers -----------------------------------------------------------------------------------------
 
 
+def bins_fast(input: Tensor) -> bool:
+    """The forward's tile orientation (_roi_pool_fwd_kernel's BINS_FAST): bins along the threads unless the input's
+    channels lie next to each other (channels_last), where a warp's loads of one sample's channels are contiguous."""
+    return input.stride(1) != 1 or input.shape[1] == 1
+
+
 def _meta(output_size, C: int, sampling_ratio: int, has_offset: bool) -> dict:
     ph, pw = output_size
     block_bins, block_c, warps = _blocks(ph * pw, C)
@@ -204,7 +236,8 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
     meta = _meta(output_size, C, sampling_ratio, offset is not None)
     off = offset.contiguous() if offset is not None else rois
     run_cached(_roi_pool_fwd_kernel, (R, triton.cdiv(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
-               (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)), meta)
+               (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)),
+               dict(meta, BINS_FAST=bins_fast(input)))
     return out
 
 
