@@ -105,7 +105,11 @@ def triton_interpret() -> bool:
     return _raw("TRITON_INTERPRET") not in ("", "0")
 
 
-_trace_state = threading.local()
+class _TraceState(threading.local):
+    on = False  # read at every launch: a class default, not getattr's
+
+
+_trace_state = _TraceState()
 
 
 def tracing() -> bool:
@@ -113,7 +117,7 @@ def tracing() -> bool:
     rather than run. Then every launch is recorded through ``torch.library.wrap_triton``, nothing is cached, data
     pointers are unknown (taken as 16-byte aligned: Inductor aligns what it allocates), and the choices that need
     a real call (autotuning, TMA descriptors, the backward's side stream) take their plain alternative."""
-    return getattr(_trace_state, "on", False)
+    return _trace_state.on
 
 
 @contextlib.contextmanager

@@ -27,10 +27,6 @@ _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["A
 _FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
-def _is_functorch_wrapped(t: Tensor) -> bool:
-    return bool(_FUNCTORCH_WRAPPED(t)) if _FUNCTORCH_WRAPPED is not None else True
-
-
 def fast_path_ok(tensors: List[Optional[Tensor]]) -> bool:
     """Whether a call may skip the registered op: a plain eager call on plain CPU/CUDA tensors (under autocast too,
     its inputs cast first: functional.py). (Called at every call: tensor attributes that build no objects, is_cuda /
@@ -39,10 +35,11 @@ def fast_path_ok(tensors: List[Optional[Tensor]]) -> bool:
         return False
     if torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled():
         return False
+    wrapped = _FUNCTORCH_WRAPPED
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in PLAIN_TENSOR_TYPES or not (t.is_cuda or t.is_cpu) or _is_functorch_wrapped(t):
+        if type(t) not in PLAIN_TENSOR_TYPES or not (t.is_cuda or t.is_cpu) or wrapped is None or wrapped(t):
             return False
     return True
 

@@ -108,7 +108,7 @@ def backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilati
     else:
         grads = _backend_for(input, backend).backward(grad_out, input, offset, weight, mask, stride, padding, dilation,
                                                       needs, keep=keep)
-    return tuple(g if need else None for g, need in zip(grads, needs))
+    return tuple([g if need else None for g, need in zip(grads, needs)])
 
 
 def _zero_grads(input, offset, weight, mask, grad_out):
@@ -169,10 +169,10 @@ def input_grads(ctx, grad_out, backward, pass_kept: bool = False):
     kept = dict(keep=dict(zip(ctx.kept_names, saved[4:]))) if pass_kept else {}
     g_in, g_off, g_mask, g_w, g_b = backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs,
                                              backend, **kept)
-    pick = lambda g, need: g if need else None  # noqa: E731
+    need_in, need_off, need_mask, need_w, need_b = needs
     return (
-        pick(g_in, needs[0]), pick(g_off, needs[1]), pick(g_w, needs[3]), pick(g_b, needs[4]),
-        pick(g_mask, needs[2]), None, None, None, None,
+        g_in if need_in else None, g_off if need_off else None, g_w if need_w else None, g_b if need_b else None,
+        g_mask if need_mask else None, None, None, None, None,
     )
 
 

@@ -89,12 +89,12 @@ def deform_conv2d_backward(
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices cost microseconds each, so none where the chunk is the batch)
-            chunk = (lambda t: t) if whole else (lambda t, sl=slice(n0, n0 + step): t[sl])  # noqa: E731
-            gw, pb = _backward_chunk(
-                chunk(grad_out), chunk(input), chunk(off), wp, chunk(msk) if msk is not None else None, stride,
-                padding, dilation, weight, scales, chunk(grad_in) if need_in else None,
-                chunk(grad_off) if need_off else None, chunk(grad_mask) if need_mask else None, need_w, concurrent,
-                whole, need_b and whole)
+            tensors = (grad_out, input, off, msk, grad_in, grad_off, grad_mask)
+            if not whole:
+                tensors = tuple(t if t is None else t[n0:n0 + step] for t in tensors)
+            go_c, in_c, off_c, msk_c, gin_c, goff_c, gmsk_c = tensors
+            gw, pb = _backward_chunk(go_c, in_c, off_c, wp, msk_c, stride, padding, dilation, weight, scales, gin_c,
+                                     goff_c, gmsk_c, need_w, concurrent, whole, need_b and whole)
             if not need_w:
                 continue
             if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)

@@ -19,7 +19,7 @@ from ... import config
 from ...checks import ConvGeometry
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import aligned16
+from ..common.launch import alignments
 
 
 def segment_length(geo: ConvGeometry) -> int:
@@ -139,7 +139,7 @@ def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Opt
              dilation, pointers: Sequence[Tensor], *extra) -> tuple:
     """A launch plan's cache key: everything its geometry, configs and kernel specialisations depend on. Triton
     specialises a kernel on each pointer's 16-byte alignment, so that is part of it."""
-    aligned = tuple(aligned16(t) for t in pointers)
+    aligned = alignments(pointers)
     return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape,
             mask is None, tuple(stride), tuple(padding), tuple(dilation), torch.backends.cudnn.allow_tf32,
             config.autotune(), aligned, *extra)
