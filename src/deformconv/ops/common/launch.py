@@ -95,10 +95,11 @@ class Launch:
     """One kernel launch of a plan: grid, runtime arguments and constexprs fixed, tensors given per call.
 
     The first call goes through Triton's JIT (compiling if needed). Later calls hand the tensors straight to
-    the compiled kernel's launcher, skipping Triton's per-call argument binding, specialisation and cache
-    lookup (tens of microseconds of Python a launch). That is valid because the plan key fixes everything
-    Triton specialises on: the integer arguments, the dtypes and each pointer's alignment. Under the
-    interpreter, or with DEFORMCONV_FAST_LAUNCH=0, every call goes through the JIT."""
+    the compiled kernel's C launcher (compat.direct_launcher), skipping Triton's per-call argument binding,
+    specialisation, cache lookup and launch bookkeeping (tens of microseconds of Python a launch). That is valid
+    because the plan key fixes everything Triton specialises on: the integer arguments, the dtypes and each
+    pointer's alignment. Under the interpreter, with DEFORMCONV_FAST_LAUNCH=0, or while a Triton launch hook is set
+    (a profiler's), every call goes through the JIT."""
 
     def __init__(self, fn, grid: tuple, args: tuple, meta: dict):
         self.fn, self.args, self.meta = fn, args, meta
