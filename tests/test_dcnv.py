@@ -260,16 +260,17 @@ def test_triton_dcnv3_matches_the_reference(name, dtype):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("tile", [(64, 1), (4096, 8)], ids=["64x1", "4096x8"])
-def test_triton_any_program_tile_is_right(tile):
-    """options.gather_tile (what benchmarks/tools/gather_tiles.py sweeps): a program of a few positions, or of many,
-    gives the reference's results."""
+@pytest.mark.parametrize("changes", [dict(gather_tile=(64, 1)), dict(gather_tile=(4096, 8)),
+                                     dict(unroll_points=True)], ids=["64x1", "4096x8", "unrolled"])
+def test_triton_any_program_tile_is_right(changes):
+    """options.gather_tile and unroll_points (what benchmarks/tools/gather_tiles.py sweeps): a program of a few
+    positions, or of many, and the point loop unrolled, give the reference's results."""
     from deformconv.config import options
 
-    leaves, params, rc = _case("3x3-same")  # D = 5: 8 positions a program at 64 elements, 128 at 4096
+    leaves, params, rc = _case("remove-center-scale")  # D = 3: 16 positions a program at 64 elements, 128 at 4096
     gout = torch.randn(leaves[0].shape[0], *leaves[2].shape[1:3], leaves[0].shape[3], dtype=torch.float64)
     fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
-    with options.override(gather_tile=tile):
+    with options.override(**changes):
         ours = _run("triton", torch.float32, leaves, fn, gout)
     ref = _run("reference", torch.float32, leaves, fn, gout)
     for what, a, b in zip(("output", "grad_input", "grad_offset", "grad_mask"), ours, ref):

@@ -86,6 +86,20 @@ def test_triton_matches_the_reference(name, dtype):
 
 
 @requires_interpreter
+def test_triton_unrolled_forward_is_right():
+    """options.unroll_points (benchmarks/tools/gather_tiles.py --unrolled): the forward's level and point loops
+    unrolled give the reference's output."""
+    from deformconv.config import options
+
+    value, shapes, starts, loc, attn = _case("4-levels", seed=3)
+    with options.override(unroll_points=True):
+        ours = deformconv.ms_deform_attn(value.float(), shapes, starts, loc.float(), attn.float(), backend="triton")
+    ref = deformconv.ms_deform_attn(value.float().double(), shapes, starts, loc.float().double(),
+                                    attn.float().double(), backend="reference")
+    assert_close(ours, ref, torch.float32, "output")
+
+
+@requires_interpreter
 def test_triton_deterministic_mode_is_reproducible_and_right():
     value, shapes, starts, loc, attn = _case("4-levels", seed=2)
     gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)

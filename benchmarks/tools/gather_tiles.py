@@ -3,10 +3,12 @@ loads: DCNv3 and DCNv4 (bench_dcnv.py's shapes), multi-scale deformable attentio
 pooling (bench_roi_pool.py's). One run compares the defaults with the other candidates side by side; docs/tuning.md
 keeps the outcome.
 
-    python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--out PATH]
+    python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--families ...] [--tiles 1024x4 ...]
+                                            [--unrolled] [--out PATH]
 
 Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
-default last.
+default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' point loops unrolled
+(options.unroll_points).
 """
 
 from __future__ import annotations
@@ -49,6 +51,10 @@ def _loads(dtype):
                 x, r, o, 7, s, sr)), [x, offset]
 
 
+def unique_tiles(tiles):
+    return list(dict.fromkeys(tiles))
+
+
 def main(argv=None):
     from triton.testing import do_bench
 
@@ -61,6 +67,11 @@ def main(argv=None):
     defaults = {"dcnv3": DCN_TILE, "dcnv4": DCN_TILE, "msda": MSDA_TILE, "roi_pool": ROI_TILE}
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    ap.add_argument("--tiles", nargs="+", default=[f"{e}x{w}" for e, w in CANDIDATES],
+                    help="candidate tiles, elements x warps (each family's default is always timed)")
+    ap.add_argument("--families", nargs="+", default=["dcnv3", "dcnv4", "msda", "roi_pool"])
+    ap.add_argument("--unrolled", action="store_true", help="also the default tile with the forwards' point loops "
+                    "unrolled (options.unroll_points): columns unrolled_fwd_ms, unrolled_fb_ms")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -68,11 +79,16 @@ def main(argv=None):
     rows = []
     for dt_name in args.dtypes:
         for family, load, fwd, leaves in _loads(getattr(torch, dt_name)):
+            if family not in args.families:
+                continue
             gout = torch.randn_like(fwd())
             row = dict(family=family, load=load, dtype=dt_name, default=list(defaults[family]))
-            for tile in CANDIDATES:
-                with options.override(gather_tile=tile):
-                    key = f"{tile[0]}x{tile[1]}"
+            tiles = unique_tiles([tuple(defaults[family])] + [tuple(map(int, t.split("x"))) for t in args.tiles])
+            variants = [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
+            if args.unrolled and family != "roi_pool":
+                variants.append(("unrolled", dict(unroll_points=True)))
+            for key, changes in variants:
+                with options.override(**changes):
                     try:
                         row[f"{key}_fwd_ms"] = do_bench(fwd, return_mode="median")
                         row[f"{key}_fb_ms"] = do_bench(lambda: fwd().backward(gout), grad_to_none=leaves,
@@ -84,14 +100,15 @@ def main(argv=None):
     env = environment(torch.device("cuda"))
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
           "family's default tile (elements x warps)\n")
-    print("| family | load | dtype | default ms | " + " | ".join(f"{e}x{w}" for e, w in CANDIDATES) + " |")
-    print("|---|---|---|---|" + "---|" * len(CANDIDATES))
+    columns = [f"{e}x{w}" for e, w in CANDIDATES] + (["unrolled"] if args.unrolled else [])
+    print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
+    print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:
         d = "{}x{}".format(*r["default"])
         base_f, base_b = r.get(f"{d}_fwd_ms"), r.get(f"{d}_fb_ms")
         cells = []
-        for e, w in CANDIDATES:
-            f, b = r.get(f"{e}x{w}_fwd_ms"), r.get(f"{e}x{w}_fb_ms")
+        for key in columns:
+            f, b = r.get(f"{key}_fwd_ms"), r.get(f"{key}_fb_ms")
             cells.append("-" if None in (f, b, base_f, base_b) else f"{f / base_f:.2f} / {b / base_b:.2f}")
         base = "-" if None in (base_f, base_b) else f"{base_f:.3f} / {base_b:.3f}"
         print(f"| {r['family']} | {r['load']} | {r['dtype']} | {base} | " + " | ".join(cells) + " |")

@@ -159,6 +159,7 @@ class Options:
     grouped_input: Optional[bool] = None
     go_resident: Optional[bool] = None
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
+    unroll_points: bool = False  # the DCNv3/DCNv4 and attention forwards' point loops unrolled (tl.static_range)
     caches: Dict[str, dict] = field(default_factory=dict, repr=False)
 
     def cache(self, name: str) -> dict:

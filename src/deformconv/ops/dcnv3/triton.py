@@ -24,6 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
+from ...config import options
 from ..common.launch import backward_warps, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
@@ -83,6 +84,20 @@ def _lanes(g, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
+def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok, H, W, C,
+                      STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D: tl.constexpr, KH: tl.constexpr,
+                      KW: tl.constexpr, REMOVE_CENTER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """acc + point k's weighted bilinear samples [BLOCK_M, BLOCK_D]."""
+    p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
+        off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+        DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+    c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
+    w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
+    return acc + (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
+                  + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+
+
+@triton.jit
 def _dcn_fwd_kernel(
     x_ptr, off_ptr, msk_ptr, out_ptr,          # see the module docstring; out like x's layout, [N, Ho, Wo, C]
     H, W, HO, WO, M, C,                        # M = N·Ho·Wo
@@ -90,6 +105,7 @@ def _dcn_fwd_kernel(
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE,
     D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,                      # the point loop unrolled (a later point's loads issued early)
 ):
     """out[m, g·D + d] = Σ_k w_k · bilinear(x[n, :, :, g·D + d], y_k, x_k). Grid: (M tiles, G)."""
     pid = tl.program_id(0)
@@ -98,14 +114,16 @@ def _dcn_fwd_kernel(
                                                           MSK_GROUP, BLOCK_M)
     d_ok, cc = _lanes(g, D, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    for k in range(K):
-        p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
-            off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
-            DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-        c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
-        w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-        acc += (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
-                + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    if UNROLL:
+        for k in tl.static_range(K):
+            acc = _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok,
+                                    H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D, KH, KW,
+                                    REMOVE_CENTER, BLOCK_D)
+    else:
+        for k in range(K):
+            acc = _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok,
+                                    H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D, KH, KW,
+                                    REMOVE_CENTER, BLOCK_D)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * C + cc[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
@@ -190,7 +208,8 @@ def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], ge
     x = input.contiguous()
     out = torch.empty(geo.batch, geo.out_h, geo.out_w, geo.channels, dtype=input.dtype, device=input.device)
     meta = _meta(geo)
-    run_cached(_dcn_fwd_kernel, _grid(geo, meta), (x, off, msk, out), _args(x, geo, strides), meta)
+    run_cached(_dcn_fwd_kernel, _grid(geo, meta), (x, off, msk, out), _args(x, geo, strides),
+               dict(meta, UNROLL=options.unroll_points))
     return out
 
 

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
@@ -64,6 +65,33 @@ def _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok):
 
 
 @triton.jit
+def _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img, r_ok, cc, d_ok,
+                      S, PIX, D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+    """acc + level lvl's attention-weighted bilinear samples [BLOCK_Q, BLOCK_D] of its P points."""
+    h, w, pix_base = _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX)
+    if UNROLL:
+        for p in tl.static_range(P):
+            acc = _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, point_row + lvl * P + p, h, w, pix_base, PIX,
+                                    r_ok, cc, d_ok, D, BLOCK_D)
+    else:
+        for p in range(P):
+            acc = _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, point_row + lvl * P + p, h, w, pix_base, PIX,
+                                    r_ok, cc, d_ok, D, BLOCK_D)
+    return acc
+
+
+@triton.jit
+def _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok, cc, d_ok, D: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
+    """acc + one point's attention-weighted bilinear samples."""
+    p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
+    c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
+    w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
+    return acc + (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
+                  + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+
+
+@triton.jit
 def _msda_fwd_kernel(
     value_ptr,    # [N, S, M, D]
     shapes_ptr,   # int64 [L, 2]: (H_l, W_l)
@@ -73,20 +101,20 @@ def _msda_fwd_kernel(
     out_ptr,      # [N, Lq, M, D]
     R, LQ, S, M,  # R = N·Lq rows
     D: tl.constexpr, L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
+    UNROLL: tl.constexpr,  # the level and point loops unrolled (a later point's loads issued early)
 ):
     """out[r, m·D + d] = Σ_l Σ_p a · bilinear(value level l, head m, channel d). Grid: (row tiles, M)."""
     rows, r_ok, r_img, m, offs_d, d_ok, cc, PIX = _program(R, LQ, M, D, BLOCK_Q, BLOCK_D)
     acc = tl.zeros((BLOCK_Q, BLOCK_D), dtype=tl.float32)
     point_row = (rows.to(tl.int64) * M + m) * (L * P)
-    for lvl in range(L):
-        h, w, pix_base = _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX)
-        for p in range(P):
-            p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, point_row + lvl * P + p, h, w,
-                                                                pix_base, PIX, r_ok)
-            c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
-            w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
-            acc += (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
-                    + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    if UNROLL:
+        for lvl in tl.static_range(L):
+            acc = _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img,
+                                    r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D, UNROLL)
+    else:
+        for lvl in range(L):
+            acc = _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img,
+                                    r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D, UNROLL)
     out = out_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
@@ -168,7 +196,7 @@ def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_in
     grid, sizes, meta = _setup(value, sampling_locations)
     tensors = (value.contiguous(), spatial_shapes.contiguous(), level_start_index.contiguous(),
                sampling_locations.contiguous(), attention_weights.contiguous(), out)
-    run_cached(_msda_fwd_kernel, grid, tensors, sizes, meta)
+    run_cached(_msda_fwd_kernel, grid, tensors, sizes, dict(meta, UNROLL=options.unroll_points))
     return out
 
 
