@@ -36,9 +36,9 @@ ENVIRONMENT: Dict[str, EnvVar] = {v.name: v for v in (
                                               "(`inf`: the whole batch at once). Unset: 1.5, raised where a chunk "
                                               "would not fill the GPU."),
     EnvVar("DEFORMCONV_BACKWARD_STREAMS", "1", "`0`: grad_weight never runs on a side stream beside grad_input."),
-    EnvVar("DEFORMCONV_COMPILE_KERNELS", "0", "`1`: torch.compile sees the Triton kernels (the op decomposes into "
+    EnvVar("DEFORMCONV_COMPILE_KERNELS", "1", "`1`: torch.compile sees the Triton kernels (the op decomposes into "
                                               "them, launched from Inductor's code); `0`: the op stays opaque and "
-                                              "runs its launchers at every call. Off until its GPU tests have run."),
+                                              "runs its launchers at every call."),
 )}
 
 

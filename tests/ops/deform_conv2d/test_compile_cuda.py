@@ -77,20 +77,19 @@ def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtyp
         assert_close(g, ref, dtype, f"grad_{what}")
 
 
-def _train(model, x, steps, compile_step=None):
-    """Losses and final parameters of `steps` SGD steps; the forward and backward compiled by compile_step."""
+def _train(model, x, steps, compile_model=None):
+    """Losses and final parameters of `steps` SGD steps; the model compiled by compile_model (its forward and, through
+    AOTAutograd, its backward: Dynamo does not trace a call of Tensor.backward)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-
-    def fwd_bwd():
-        loss = model(x).square().mean()
-        loss.backward()
-        return loss.detach()
-
-    run = compile_step(fwd_bwd) if compile_step else fwd_bwd
+    run = compile_model(model) if compile_model else model
     losses = []
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        losses.append(run().clone())
+        if compile_model:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss = run(x).square().mean()
+        loss.backward()
+        losses.append(loss.detach().clone())
         opt.step()
     return losses, [p.detach().clone() for p in model.parameters()]
 
@@ -107,19 +106,22 @@ def _net():
 
 
 def test_reduce_overhead_captures_a_training_step():
-    """mode="reduce-overhead": forward and backward replay as CUDA graphs (none skipped), with the eager steps'
-    losses and parameters (fp32)."""
+    """mode="reduce-overhead": forward and backward replay as CUDA graphs (none skipped), and 4 fp32 SGD steps land as
+    near the float64 steps (the reference backend) as eager fp32 steps do. (Compiled and eager fp32 differ from each
+    other by their summation orders: atomics, tiles without TMA; each one's distance from float64 is what counts.)"""
     from torch._dynamo.utils import counters
 
     x = torch.randn(3, 8, 21, 19, device="cuda")
+    ref_losses, ref_params = _train(_net().double(), x.double(), 4)
     losses, params = _train(_net(), x, 4)
     counters.clear()
     c_losses, c_params = _train(_net(), x, 4, lambda f: torch.compile(f, mode="reduce-overhead", fullgraph=True))
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    for a, b in zip(c_losses, losses):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
-    for a, b in zip(c_params, params):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    for what, eager, compiled, ref in [("losses", torch.stack(losses), torch.stack(c_losses), torch.stack(ref_losses)),
+                                       *[(f"parameter {i}", *t) for i, t in enumerate(zip(params, c_params, ref_params))]]:
+        eager_error = (eager.double() - ref).abs().max().item()
+        compiled_error = (compiled.double() - ref).abs().max().item()
+        assert compiled_error <= 4 * eager_error + 1e-6 * ref.abs().max().item(), (what, compiled_error, eager_error)
 
 
 def test_dynamic_shapes_keep_the_op_opaque_and_work():
