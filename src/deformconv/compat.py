@@ -123,17 +123,19 @@ def direct_launcher(compiled):
     if (getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1)
             or getattr(run, "gsan_enabled", False)):
         return None
-    stream_of, device = getattr(torch._C, "_cuda_getCurrentRawStream", None), getattr(torch._C, "_cuda_getDevice", None)
+    stream_of = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    device = getattr(torch._C, "_cuda_getDevice", None)
     if stream_of is None or device is None:  # a torch built without CUDA
         return None
     launch = getattr(run, "launch", None)
     coop, pdl = getattr(run, "launch_cooperative_grid", None), getattr(run, "launch_pdl", None)
     version = triton_version()
-    if launch is not None and coop is not None and pdl is not None and version == (3, 6):
+    c_launcher = launch is not None and coop is not None and pdl is not None
+    if c_launcher and version == (3, 6):
         def go(grid, *args):
             launch(grid[0], grid[1], grid[2], stream_of(device()), function, coop, pdl, None, None, packed, None, None,
                    None, *args)
-    elif launch is not None and coop is not None and pdl is not None and version == (3, 8) and hasattr(run, "arg_annotations"):
+    elif c_launcher and version == (3, 8) and hasattr(run, "arg_annotations"):
         annotations, signature = run.arg_annotations, run.kernel_signature
 
         def go(grid, *args):

@@ -23,8 +23,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ..common.fixed_point import max_abs, scales_for
 from ...config import options
+from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry

@@ -1,8 +1,9 @@
 """Deformable RoI pooling's Triton kernels, forward and backward (shapes and rule: reference.py, __init__.py).
 
 The input is read in place through its strides (NCHW or channels_last). A forward program owns one RoI and BLOCK_C
-channels: all its ph·pw bins at once ([BLOCK_BINS, BLOCK_C] tiles), looping over the RoI's own sample grid (adaptive
-sampling: runtime loop bounds). A backward program owns one RoI and loops over the channel blocks, so each bin's
+channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along the threads, for an NCHW input;
+[BLOCK_BINS, BLOCK_C] for channels_last), looping over the RoI's own sample grid (adaptive sampling: runtime loop
+bounds). A backward program owns one RoI and loops over the channel blocks, so each bin's
 offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer (int64
 fixed point in deterministic mode: common/fixed_point.py).
 """
