@@ -50,6 +50,22 @@ def _loop_us(step, calls: int, device) -> float:
     return statistics.median(times)
 
 
+def python_profile(step, calls: int, device, rows: int, orders=("tottime",)) -> str:
+    """cProfile's statistics of `calls` calls of step (warmed first), sorted by each of orders, `rows` lines each."""
+    _loop_us(step, 10, device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        step()
+    prof.disable()
+    torch.cuda.synchronize(device)
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    for order in orders:
+        stats.sort_stats(order).print_stats(rows)
+    return text.getvalue()
+
+
 def main(argv=None):
     import torchvision
 
@@ -124,19 +140,8 @@ def main(argv=None):
             out = impls["deformconv"](*leaves)
             out.backward(torch.ones_like(out))
 
-        _loop_us(step, 10, device)
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(args.calls):
-            step()
-        prof.disable()
-        torch.cuda.synchronize(device)
-        text = io.StringIO()
-        stats = pstats.Stats(prof, stream=text)
-        stats.sort_stats("tottime").print_stats(45)
-        stats.sort_stats("cumulative").print_stats(45)
         with open(args.profile, "w") as f:
-            f.write(text.getvalue())
+            f.write(python_profile(step, args.calls, device, 45, ("tottime", "cumulative")))
 
 
 if __name__ == "__main__":

@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import cProfile
-import io
 import os
-import pstats
 import sys
 
 import torch
@@ -24,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def main(argv=None):
     import torchvision
-    from host_cost import _inputs, _loop_us
+    from host_cost import _inputs, _loop_us, python_profile
 
     import deformconv
 
@@ -61,16 +58,7 @@ def main(argv=None):
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)
         print(table, flush=True)
         if name == "deformconv":
-            _loop_us(step, 10, device)
-            p = cProfile.Profile()
-            p.enable()
-            for _ in range(args.calls):
-                step()
-            p.disable()
-            torch.cuda.synchronize(device)
-            text = io.StringIO()
-            pstats.Stats(p, stream=text).sort_stats("tottime").print_stats(args.rows)
-            print(text.getvalue(), flush=True)
+            print(python_profile(step, args.calls, device, args.rows), flush=True)
 
 
 if __name__ == "__main__":

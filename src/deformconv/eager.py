@@ -27,6 +27,15 @@ _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["A
 _FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
+def without_autocast(device_type: str, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with autocast off on device_type where it is on: the inputs are cast already, and inside,
+    as in the ops' autocast rule (library.py), autocast is off. (No guard where autocast is off: calls pay for it.)"""
+    if torch.is_autocast_enabled(device_type):
+        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
+            return fn(*args, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def fast_path_ok(tensors: List[Optional[Tensor]]) -> bool:
     """Whether a call may skip the registered op: a plain eager call on plain CPU/CUDA tensors (under autocast too,
     its inputs cast first: functional.py). (Called at every call: tensor attributes that build no objects, is_cuda /
@@ -53,13 +62,7 @@ class DeformConv2dFunction(torch.autograd.Function):
         # what the backend's forward keeps for its backward (the Triton backend: the packed weight, one aten copy
         # fewer a step), held until the backward; only when a gradient can be asked for
         keep = {} if any(ctx.needs_input_grad[:5]) else None
-        device_type = "cuda" if input.is_cuda else "cpu"
-        if torch.is_autocast_enabled(device_type):
-            # the inputs are cast already; inside, autocast is off, as in the op's autocast rule (library.py)
-            with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
-                out = forward_impl(*args, keep=keep)
-        else:
-            out = forward_impl(*args, keep=keep)
+        out = without_autocast("cuda" if input.is_cuda else "cpu", forward_impl, *args, keep=keep)
         _setup_context(ctx, args, out, keep)
         return out
 
@@ -72,11 +75,7 @@ class DeformConv2dFunction(torch.autograd.Function):
 def forward_without_grad(args: tuple) -> Tensor:
     """DeformConv2dFunction's forward where no gradient can be asked for (grad mode off, or no input requiring one):
     no autograd node to build (inference calls, which gain the node's host time)."""
-    device_type = "cuda" if args[0].is_cuda else "cpu"
-    if torch.is_autocast_enabled(device_type):
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
-            return forward_impl(*args)
-    return forward_impl(*args)
+    return without_autocast("cuda" if args[0].is_cuda else "cpu", forward_impl, *args)
 
 
 def needs_grad(tensors: List[Optional[Tensor]]) -> bool:
@@ -125,8 +124,6 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
         tensors = [a for a in args if isinstance(a, Tensor)]
     if not fast_path_ok(tensors):
         return None
-    record = needs_grad(tensors)  # else no autograd node (inference)
-    if autocasting:
-        with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS[device_type]):
-            return _EagerOp.apply(forward, backward, tuple(differentiable), *args) if record else forward(*args)
-    return _EagerOp.apply(forward, backward, tuple(differentiable), *args) if record else forward(*args)
+    if needs_grad(tensors):
+        return without_autocast(device_type, _EagerOp.apply, forward, backward, tuple(differentiable), *args)
+    return without_autocast(device_type, forward, *args)  # no autograd node (inference)
