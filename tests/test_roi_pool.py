@@ -108,7 +108,7 @@ def test_offset_and_output_size_errors():
 @requires_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
-@pytest.mark.parametrize("sampling_ratio", [0, 2])
+@pytest.mark.parametrize("sampling_ratio", [0, 2, 6])  # 6: 36 samples a bin, the forward's spread tile
 def test_triton_matches_the_reference(dtype, channels_last, sampling_ratio):
     x, rois, offset = _case(seed=3, c=12)
     x, offset = x.to(dtype).double(), offset.to(dtype).double()  # the reference gets the rounded inputs
@@ -123,6 +123,22 @@ def test_triton_matches_the_reference(dtype, channels_last, sampling_ratio):
     assert ours[0].dtype == dtype
     for what, a, b in zip(("output", "grad_input", "grad_offset"), ours, ref):
         assert_close(a, b, dtype, what)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("width", [0, 4, 8])
+def test_triton_forward_spread_tile_widths(width):
+    """Adaptive sampling with the forward's spread tile at any width (options.roi_spread; 0: none) gives the
+    reference result: widths 4 and 8 (RoIs of 8 and 16 samples a bin or more) split this case's RoIs differently
+    between the two tiles."""
+    from deformconv.config import options
+
+    x, rois, offset = _case(seed=5, c=6)
+    ref = deformconv.deform_roi_pool(x, rois, offset, (3, 4), 0.5, 0, 0.1, backend="reference")
+    with options.override(roi_spread=width):
+        ours = deformconv.deform_roi_pool(x.float(), rois.float(), offset.float(), (3, 4), 0.5, 0, 0.1,
+                                          backend="triton")
+    assert_close(ours, ref, torch.float32, f"output (width {width})")
 
 
 @requires_interpreter

@@ -4,11 +4,12 @@ pooling (bench_roi_pool.py's). One run compares the defaults with the other cand
 keeps the outcome.
 
     python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--families ...] [--tiles 1024x4 ...]
-                                            [--unrolled] [--out PATH]
+                                            [--unrolled] [--roi-spread 0 8 32] [--out PATH]
 
 Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
 default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' point loops unrolled
-(options.unroll_points).
+(options.unroll_points); --roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread,
+0: none).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def _loads(dtype):
         yield "msda", load, (lambda v=value, s=shapes, st=starts, lo=loc, a=attn: deformconv.ms_deform_attn(
             v, s, st, lo, a)), [value, loc, attn]
     for level in bench_roi_pool.LEVELS:
-        for sr in (2, 0):
+        for sr in (2, 6, 0):
             x, rois, offset, scale = bench_roi_pool._inputs(level, dtype, torch.device("cuda"))
             yield "roi_pool", f"{level} sr{sr}", (lambda x=x, r=rois, o=offset, s=scale, sr=sr: deformconv.deform_roi_pool(
                 x, r, o, 7, s, sr)), [x, offset]
@@ -72,6 +73,8 @@ def main(argv=None):
     ap.add_argument("--families", nargs="+", default=["dcnv3", "dcnv4", "msda", "roi_pool"])
     ap.add_argument("--unrolled", action="store_true", help="also the default tile with the forwards' point loops "
                     "unrolled (options.unroll_points): columns unrolled_fwd_ms, unrolled_fb_ms")
+    ap.add_argument("--roi-spread", nargs="*", type=int, default=[],
+                    help="RoI pooling's forward spread tile widths to time beside the default (0: none)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -87,6 +90,8 @@ def main(argv=None):
             variants = [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
             if args.unrolled and family != "roi_pool":
                 variants.append(("unrolled", dict(unroll_points=True)))
+            if family == "roi_pool":
+                variants += [(f"spread{n}", dict(roi_spread=n)) for n in args.roi_spread]
             for key, changes in variants:
                 with options.override(**changes):
                     try:
@@ -100,7 +105,8 @@ def main(argv=None):
     env = environment(torch.device("cuda"))
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
           "family's default tile (elements x warps)\n")
-    columns = [f"{e}x{w}" for e, w in CANDIDATES] + (["unrolled"] if args.unrolled else [])
+    columns = [f"{e}x{w}" for e, w in CANDIDATES] + (["unrolled"] if args.unrolled else []) \
+        + [f"spread{n}" for n in args.roi_spread]
     print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:

@@ -16,6 +16,7 @@ DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, tor
 CASES = {
     "fpn-p2-like": (2, 64, 100, 152, 200, (7, 7), 0.25, 2),
     "fpn-p5-adaptive": (2, 64, 25, 38, 200, (7, 7), 1 / 32, 0),
+    "fpn-p2-adaptive": (2, 24, 100, 152, 100, (7, 7), 0.25, 0),  # large RoIs: the forward's spread tile
     "odd": (3, 13, 17, 23, 37, (3, 5), 0.5, 0),
 }
 

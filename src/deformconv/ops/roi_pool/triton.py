@@ -3,7 +3,9 @@
 The input is read in place through its strides (NCHW or channels_last). A forward program owns one RoI and BLOCK_C
 channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along the threads, for an NCHW input;
 [BLOCK_BINS, BLOCK_C] for channels_last), looping over the RoI's own sample grid (adaptive sampling: runtime loop
-bounds). A backward program owns one RoI and loops over the channel blocks, so each bin's
+bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels one
+at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a pixel apart,
+so a warp's loads share cache lines, where bins along the threads put each load in a line of its own. A backward program owns one RoI and loops over the channel blocks, so each bin's
 offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer (int64
 fixed point in deterministic mode: common/fixed_point.py).
 """
@@ -17,6 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, gather_tile, run_cached
 from ..common.sampling import load_grid_corners, scatter_add
@@ -26,6 +29,12 @@ from ..common.sampling import load_grid_corners, scatter_add
 # (elements, warps) of a program: BLOCK_BINS·BLOCK_C = 1024 over 8 warps, 4 a thread. The backward's four
 # scatters and corner loads a sample compile to 150-170 registers a thread at this tile, 255 at twice as many a thread.
 TILE = (1024, 8)
+
+
+# Samples of a bin side by side in the forward's spread tile ([BLOCK_BINS, BLOCK_S]). Only RoIs with 2·BLOCK_S or more
+# samples a bin take it: the last BLOCK_S of a bin's samples are partly masked lanes, so from two tiles on at least
+# two thirds of the lanes load; RoIs with fewer samples keep the [BLOCK_C, BLOCK_BINS] tile.
+BLOCK_S = 16
 
 
 def _blocks(bins: int, channels: int) -> Tuple[int, int, int]:
@@ -106,27 +115,12 @@ def _per_channel(v, BINS_FAST: tl.constexpr):
 
 
 @triton.jit
-def _roi_pool_fwd_kernel(
-    x_ptr,        # input [N, C, H, W], strides below (any layout)
-    rois_ptr,     # [R, 5]
-    off_ptr,      # [R, 2, PH, PW] (read if HAS_OFFSET)
-    out_ptr,      # [R, C, PH, PW]
-    N, C, H, W, sn, sc, sh, sw, SCALE, GAMMA,
-    PH: tl.constexpr, PW: tl.constexpr, SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr,
-    BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
-    BINS_FAST: tl.constexpr,  # the tile [BLOCK_C, BLOCK_BINS], bins along the threads (an input whose channels are
-                              # planes apart: neighbouring bins' samples lie near each other); else [BLOCK_BINS, BLOCK_C]
-):
-    """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
-    r = tl.program_id(0)
-    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    bins = tl.arange(0, BLOCK_BINS)
-    bin_ok = bins < PH * PW
-    # no tuple target is named "_": Triton would carry it through the loops below with changing types
-    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA,
-                                                                 PH, PW, SAMPLING, HAS_OFFSET)
-    base = x_ptr + b * sn + _per_channel(offs_c.to(tl.int64) * sc, BINS_FAST)
+def _pool_block_store(x_image, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h, gh, gw, H, W,
+                      sh, sw, PH: tl.constexpr, PW: tl.constexpr, BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
+                      BINS_FAST: tl.constexpr):
+    """Every (channel, bin) of the block at once, one sample of each at a time over the RoI's sample grid; their
+    means stored to the RoI's output out_r."""
+    base = x_image + _per_channel(offs_c.to(tl.int64) * sc, BINS_FAST)
     c_live = _per_channel(c_ok, BINS_FAST)
     if BINS_FAST:
         acc = tl.zeros((BLOCK_C, BLOCK_BINS), dtype=tl.float32)
@@ -144,9 +138,69 @@ def _roi_pool_fwd_kernel(
             acc += _per_bin(wyl * wxl, BINS_FAST) * v00 + _per_bin(wyl * wxh, BINS_FAST) * v01 \
                 + _per_bin(wyh * wxl, BINS_FAST) * v10 + _per_bin(wyh * wxh, BINS_FAST) * v11
     count = tl.maximum(gh * gw, 1).to(tl.float32)
-    out = out_ptr + r.to(tl.int64) * C * PH * PW + _per_channel(offs_c.to(tl.int64) * (PH * PW), BINS_FAST) \
-        + _per_bin(bins, BINS_FAST)
-    tl.store(out, (acc / count).to(out_ptr.dtype.element_ty), mask=_per_bin(bin_ok, BINS_FAST) & c_live)
+    out = out_r + _per_channel(offs_c.to(tl.int64) * (PH * PW), BINS_FAST) + _per_bin(bins, BINS_FAST)
+    tl.store(out, (acc / count).to(out_r.dtype.element_ty), mask=_per_bin(bin_ok, BINS_FAST) & c_live)
+
+
+@triton.jit
+def _pool_spread_channel(x_base, bins, bin_live, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
+                         BLOCK_BINS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The sums [BLOCK_BINS] of one channel plane (x_base): each bin's samples BLOCK_S at a time, along the threads
+    (sample s of a bin is grid point (s // gw, s % gw))."""
+    n_s = gh * gw
+    offs_s = tl.arange(0, BLOCK_S)
+    acc = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
+    for s0 in range(0, n_s, BLOCK_S):
+        s = s0 + offs_s
+        iy = s // gw
+        ix = s - iy * gw
+        y = sy[:, None] + (iy[None, :] + 0.5) * bin_h / gh
+        x = sx[:, None] + (ix[None, :] + 0.5) * bin_w / gw
+        yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
+        xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
+        live = bin_live[:, None] & (s < n_s)[None, :] & in_y & in_x
+        v00, v01, v10, v11 = load_grid_corners(x_base, yl * sh, yh * sh, xl * sw, xh * sw, live)
+        acc += wyl * wxl * v00 + wyl * wxh * v01 + wyh * wxl * v10 + wyh * wxh * v11
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _roi_pool_fwd_kernel(
+    x_ptr,        # input [N, C, H, W], strides below (any layout)
+    rois_ptr,     # [R, 5]
+    off_ptr,      # [R, 2, PH, PW] (read if HAS_OFFSET)
+    out_ptr,      # [R, C, PH, PW]
+    N, C, H, W, sn, sc, sh, sw, SCALE, GAMMA,
+    PH: tl.constexpr, PW: tl.constexpr, SAMPLING: tl.constexpr, HAS_OFFSET: tl.constexpr,
+    BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
+    BINS_FAST: tl.constexpr,  # the tile [BLOCK_C, BLOCK_BINS], bins along the threads (an input whose channels are
+                              # planes apart: neighbouring bins' samples lie near each other); else [BLOCK_BINS, BLOCK_C]
+    BLOCK_S: tl.constexpr,    # (BINS_FAST only) RoIs with 2·BLOCK_S or more samples a bin take the spread tile; 0: none
+):
+    """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
+    r = tl.program_id(0)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    bins = tl.arange(0, BLOCK_BINS)
+    bin_ok = bins < PH * PW
+    # no tuple target is named "_": Triton would carry it through the loops below with changing types
+    b, bin_live, sx, sy, bin_w, bin_h, gh, gw, roi_w, roi_h = _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA,
+                                                                 PH, PW, SAMPLING, HAS_OFFSET)
+    out_r = out_ptr + r.to(tl.int64) * C * PH * PW
+    if BINS_FAST and BLOCK_S > 0:  # (nested: a BLOCK_S of 0 must not reach the spread tile's code)
+        if gh * gw >= 2 * BLOCK_S:
+            for ci in range(BLOCK_C):
+                c = tl.program_id(1) * BLOCK_C + ci
+                sums = _pool_spread_channel(x_ptr + b * sn + c.to(tl.int64) * sc, bins, bin_live & (c < C), sx, sy,
+                                            bin_w, bin_h, gh, gw, H, W, sh, sw, BLOCK_BINS, BLOCK_S)
+                tl.store(out_r + c.to(tl.int64) * (PH * PW) + bins,
+                         (sums / (gh * gw).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
+        else:
+            _pool_block_store(x_ptr + b * sn, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h,
+                              gh, gw, H, W, sh, sw, PH, PW, BLOCK_BINS, BLOCK_C, BINS_FAST)
+    else:
+        _pool_block_store(x_ptr + b * sn, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h,
+                          gh, gw, H, W, sh, sw, PH, PW, BLOCK_BINS, BLOCK_C, BINS_FAST)
 
 
 @triton.jit
@@ -217,6 +271,14 @@ def bins_fast(input: Tensor) -> bool:
     return input.stride(1) != 1 or input.shape[1] == 1
 
 
+def spread_samples(sampling_ratio: int) -> int:
+    """The forward's spread tile width (BLOCK_S; options.roi_spread where a benchmark forces one), or 0 where no RoI
+    can take it: with adaptive sampling each RoI has its own sample count; a fixed sampling_ratio gives every RoI
+    sampling_ratio² samples a bin."""
+    block_s = BLOCK_S if options.roi_spread is None else options.roi_spread
+    return block_s if block_s and (sampling_ratio <= 0 or sampling_ratio * sampling_ratio >= 2 * block_s) else 0
+
+
 def _meta(output_size, C: int, sampling_ratio: int, has_offset: bool) -> dict:
     ph, pw = output_size
     block_bins, block_c, warps = _blocks(ph * pw, C)
@@ -238,7 +300,7 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
     off = offset.contiguous() if offset is not None else rois
     run_cached(_roi_pool_fwd_kernel, (R, triton.cdiv(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
                (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)),
-               dict(meta, BINS_FAST=bins_fast(input)))
+               dict(meta, BINS_FAST=bins_fast(input), BLOCK_S=spread_samples(sampling_ratio)))
     return out
 
 
