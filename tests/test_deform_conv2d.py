@@ -298,6 +298,30 @@ def test_non_contiguous_and_channels_last_inputs(backend, dtype):
     torch.testing.assert_close(out_cl, expected, atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("backend,dtype", BACKENDS)
+def test_offset_and_mask_as_slices_of_one_tensor(backend, dtype):
+    """As a module passes them: offset and mask are channel slices of one channels_last tensor (its offset conv's
+    output). Output and every gradient are those of contiguous copies, the slices' gradients landing in the one
+    tensor's grad."""
+    args, kwargs = make_case(n=2, cin=4, cout=3, h=6, w=7, kh=3, kw=3, padding=1, dtype=dtype, seed=6)
+    x, offset, weight, bias = args
+    gen = torch.Generator().manual_seed(7)
+    mask = torch.rand(2, 9, 6, 7, generator=gen, dtype=torch.float64).to(dtype)
+    both = torch.cat([offset, mask], 1).contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, offset, mask, weight)]
+    gout = torch.randn(2, 3, 6, 7, generator=gen, dtype=torch.float64).to(dtype)
+    expected = deformconv.deform_conv2d(leaves[0], leaves[1], leaves[3], bias, padding=1, mask=leaves[2],
+                                        backend=backend)
+    grads = torch.autograd.grad(expected, leaves, gout)
+    xs, ws = leaves[0].detach().clone().requires_grad_(True), leaves[3].detach().clone().requires_grad_(True)
+    out = deformconv.deform_conv2d(xs, both[:, :18], ws, bias, padding=1, mask=both[:, 18:], backend=backend)
+    g_x, g_both, g_w = torch.autograd.grad(out, [xs, both, ws], gout)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    for what, a, b in (("input", g_x, grads[0]), ("offset", g_both[:, :18], grads[1]), ("mask", g_both[:, 18:], grads[2]),
+                       ("weight", g_w, grads[3])):
+        torch.testing.assert_close(a, b, msg=lambda m: f"grad_{what}: {m}")
+
+
 @pytest.mark.parametrize("backend,dtype", [("reference", torch.float16), ("reference", torch.bfloat16),
                                            ("cpu", torch.float16)], ids=["reference-fp16", "reference-bf16", "cpu-fp16"])
 def test_half_inputs_are_computed_in_float32_by_the_reference(backend, dtype):

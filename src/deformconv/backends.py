@@ -157,8 +157,10 @@ class TritonBackend(Backend):
         from .ops.deform_conv2d.backward import deform_conv2d_backward
 
         with _on_device_of(input):
-            return deform_conv2d_backward(grad_out, input, *args,
-                                          packed_weight=keep.get("packed_weight") if keep else None)
+            if not keep:
+                return deform_conv2d_backward(grad_out, input, *args)
+            return deform_conv2d_backward(grad_out, input, *args, packed_weight=keep.get("packed_weight"),
+                                          operands=(keep.get("offset"), keep.get("mask")))
 
 
 def _on_device_of(t: torch.Tensor):

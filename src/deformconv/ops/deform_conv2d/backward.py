@@ -51,20 +51,22 @@ def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: in
 def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
-    packed_weight: Optional[Tensor] = None,
+    packed_weight: Optional[Tensor] = None, operands: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. The batch is processed in
     chunks of images (schedule.backward_chunk_images) to bound the scratch memory. Under
     torch.use_deterministic_algorithms(True) grad_input is summed in int64 fixed point (fixed_point_scales)
     instead of with float atomics, so every gradient is bitwise reproducible. packed_weight: the forward's
     pack_weight(weight, groups) of the same weight in input's dtype (weight_k_major False), if it kept one
-    (deform_conv2d_forward's keep), else the weight is packed here."""
+    (deform_conv2d_forward's keep), else the weight is packed here. operands: the forward's contiguous copies of
+    (offset, mask), where it kept them."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
     need_mask = bool(need_mask and mask is not None)
     grad_out = grad_out.to(input.dtype)
-    off, msk = contiguous_operands(offset, mask)
+    off, msk = contiguous_operands(offset if operands[0] is None else operands[0],
+                                   mask if operands[1] is None else operands[1])
     groups = input.shape[1] // weight.shape[1]
     wp = packed_weight if packed_weight is not None else pack_weight(weight, groups, dtype=input.dtype)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()

@@ -273,8 +273,14 @@ def deform_conv2d_forward(
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated. keep: a dict that
     receives "packed_weight", the packed weight in the layout the backward reads (16-bit inputs: the forward's own),
-    for deform_conv2d_backward's packed_weight."""
+    for deform_conv2d_backward's packed_weight, and "offset" / "mask", the contiguous copies made of them here (a
+    module's offset and mask are channel slices of its offset conv's output), for its operands."""
     off, msk = contiguous_operands(offset, mask)
+    if keep is not None:
+        if off is not offset:
+            keep["offset"] = off
+        if msk is not mask:
+            keep["mask"] = msk
     msk = msk if msk is not None else off  # the mask and bias pointers fall back to the offset; never read then
     b = bias.contiguous() if bias is not None else off
     plans = options.cache("plans")

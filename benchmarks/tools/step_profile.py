@@ -1,0 +1,108 @@
+"""Where the GPU time of one ResNet-50-DCN training step goes, on a CUDA GPU: torch.profiler's kernels of a few steps
+of bench_resnet_dcn.py's network, summed by kernel name, for each net and mode asked for. bench_resnet_dcn.py gives
+the step's wall time; this gives its GPU split (our kernels, convolutions, the rest) and the GPU total, which is the
+floor of a CUDA-graph step.
+
+    python benchmarks/tools/step_profile.py [--case b32-224:bfloat16] [--nets plain deformconv] [--modes eager default]
+
+Rows are per step (the profiled steps' totals divided by --steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def category(name: str) -> str:
+    """A kernel's family, by its name: our Triton kernels, the convolutions and GEMMs, and the rest."""
+    low = name.lower()
+    if "deform" in low or low.startswith(("_pack", "_transpose", "_channel_sum", "_finish_grads")):
+        return "deformconv kernels"
+    if any(k in low for k in ("conv", "gemm", "sm90", "xmma", "cutlass", "wgrad", "dgrad", "implicit")):
+        return "conv / gemm"
+    if low.startswith("triton_"):
+        return "inductor fused"
+    return "other (elementwise, norm, reduce, copy)"
+
+
+def profile_step(kind, base, case, dtype, mode, steps, rows):
+    from bench_resnet_dcn import CASES, build
+    from torch import nn
+    from torch.profiler import ProfilerActivity, profile
+
+    n, h, w = CASES[case]
+    net = build(kind, base).cuda().to(memory_format=torch.channels_last).train()
+    if h != w:
+        net.fc = nn.Identity()
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, 3, h, w, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (n,), device="cuda", generator=g)
+    fwd = net if mode == "eager" else torch.compile(net)
+
+    def step():
+        with torch.autocast("cuda", dtype=dtype):
+            out = fwd(x)
+            loss = F.cross_entropy(out.float(), y) if h == w else out.float().square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name] += e.device_time / steps
+            counts[e.name] += 1 / steps
+    cats = collections.Counter()
+    for name, us in kernels.items():
+        cats[category(name)] += us
+    print(f"\n## {kind}, {case} {str(dtype).split('.')[-1]}, {mode}: GPU {sum(kernels.values()) / 1e3:.2f} ms a step, "
+          f"{round(sum(counts.values()))} kernels")
+    print("| category | ms a step |\n|---|---|")
+    for c, us in cats.most_common():
+        print(f"| {c} | {us / 1e3:.3f} |")
+    print("| kernel | calls a step | ms a step |\n|---|---|---|")
+    for name, us in kernels.most_common(rows):
+        print(f"| {name[:110]} | {counts[name]:.0f} | {us / 1e3:.3f} |")
+    return {c: us / 1e3 for c, us in cats.items()}
+
+
+def main(argv=None):
+    import torchvision
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", default="b32-224:bfloat16", help="case:dtype, as bench_resnet_dcn.py's --cases")
+    ap.add_argument("--nets", nargs="+", default=["plain", "deformconv"])
+    ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default"])
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--rows", type=int, default=25)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    base = torchvision.models.resnet50()
+    case, dt = args.case.split(":")
+    for mode in args.modes:
+        for kind in args.nets:
+            profile_step(kind, base, case, getattr(torch, dt), mode, args.steps, args.rows)
+
+
+if __name__ == "__main__":
+    main()
