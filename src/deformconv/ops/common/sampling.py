@@ -34,6 +34,33 @@ def weight_fraction(f):
 
 
 @triton.jit
+def corner_addresses(y0, x0, inside, pix_base, H, W, PIX):
+    """The element offset p00 of top-left corner (y0, x0) from pix_base (pixels PIX elements apart), and which of the
+    4 corners lie in the image (none where inside is off): (p00, top-left, top-right, bottom-left, bottom-right)."""
+    top = inside & (y0 >= 0)
+    bottom = inside & (y0 + 1 < H)
+    left = x0 >= 0
+    right = x0 + 1 < W
+    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    return p00, top & left, top & right, bottom & left, bottom & right
+
+
+@triton.jit
+def dcn_point(y, x, pix_base, H, W, PIX, m_valid):
+    """A deform_conv2d sample point (y, x) [BM] (fp32), torchvision's rule: it counts inside [-1, H) x [-1, W) (at
+    -1 its value is zero and its gradient one-sided); (p00, the 4 corners' flags, the fractions ly, lx)."""
+    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
+    y0f = tl.floor(y)
+    x0f = tl.floor(x)
+    ly = fraction(y, y0f)
+    lx = fraction(x, x0f)
+    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
+    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
+    p00, v00, v01, v10, v11 = corner_addresses(y0, x0, inside, pix_base, H, W, PIX)
+    return p00, v00, v01, v10, v11, ly, lx
+
+
+@triton.jit
 def sample_point(
     off_ptr, msk_ptr,      # offset [N, 2*G*KK, Ho, Wo] and mask [N, G*KK, Ho, Wo], NCHW
     off_row, msk_row,      # int64 [BM]: element offset of (n, channel 0, ho, wo) in offset / mask
@@ -49,25 +76,12 @@ def sample_point(
     dy_row = off_row + (2 * ch).to(tl.int64) * L  # int64: one image's offsets may pass 2**31 elements
     dy = tl.load(off_ptr + dy_row, mask=m_valid, other=0.0).to(tl.float32)
     dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0).to(tl.float32)
-    y = y_ref + dy
-    x = x_ref + dx
-    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)  # y == -1: zero value, one-sided grad
-    y0f = tl.floor(y)
-    x0f = tl.floor(x)
-    ly = fraction(y, y0f)
-    lx = fraction(x, x0f)
-    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
-    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
-    top = inside & (y0 >= 0)
-    bottom = inside & (y0 + 1 < H)
-    left = x0 >= 0
-    right = x0 + 1 < W
-    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    p00, v00, v01, v10, v11, ly, lx = dcn_point(y_ref + dy, x_ref + dx, pix_base, H, W, PIX, m_valid)
     if HAS_MASK:
         mv = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0).to(tl.float32)
     else:
         mv = tl.full(ly.shape, 1.0, tl.float32)
-    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+    return p00, v00, v01, v10, v11, ly, lx, mv
 
 
 @triton.jit
@@ -86,27 +100,15 @@ def sample_loads(off_ptr, msk_ptr, off_row, msk_row, ch, L, m_valid, HAS_MASK: t
 
 @triton.jit
 def sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK: tl.constexpr):
-    """sample_point from its sample_loads. (sample_point's arithmetic written out again: a sample_point built from
-    these two compiled to a longer grad_input loop.)"""
-    y = y_ref + dy.to(tl.float32)
-    x = x_ref + dx.to(tl.float32)
-    inside = m_valid & (y >= -1.0) & (y < H) & (x >= -1.0) & (x < W)
-    y0f = tl.floor(y)
-    x0f = tl.floor(x)
-    ly = fraction(y, y0f)
-    lx = fraction(x, x0f)
-    y0 = tl.where(inside, y0f, 0.0).to(tl.int32)
-    x0 = tl.where(inside, x0f, 0.0).to(tl.int32)
-    top = inside & (y0 >= 0)
-    bottom = inside & (y0 + 1 < H)
-    left = x0 >= 0
-    right = x0 + 1 < W
-    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
+    """sample_point from its sample_loads. (sample_point keeps its own loads: one built from these two compiled to a
+    longer grad_input loop.)"""
+    p00, v00, v01, v10, v11, ly, lx = dcn_point(y_ref + dy.to(tl.float32), x_ref + dx.to(tl.float32), pix_base, H, W,
+                                                PIX, m_valid)
     if HAS_MASK:
         mv = mraw.to(tl.float32)
     else:
         mv = tl.full(ly.shape, 1.0, tl.float32)
-    return p00, top & left, top & right, bottom & left, bottom & right, ly, lx, mv
+    return p00, v00, v01, v10, v11, ly, lx, mv
 
 
 @triton.jit
@@ -121,14 +123,8 @@ def point_corners(y, x, pix_base, H, W, PIX, live):
     x = tl.where(inside, x, 0.0)
     y0f = tl.floor(y)
     x0f = tl.floor(x)
-    y0 = y0f.to(tl.int32)
-    x0 = x0f.to(tl.int32)
-    top = inside & (y0 >= 0)
-    bottom = inside & (y0 + 1 < H)
-    left = x0 >= 0
-    right = x0 + 1 < W
-    p00 = pix_base + (y0 * W + x0).to(tl.int64) * PIX
-    return p00, top & left, top & right, bottom & left, bottom & right, y - y0f, x - x0f, inside
+    p00, v00, v01, v10, v11 = corner_addresses(y0f.to(tl.int32), x0f.to(tl.int32), inside, pix_base, H, W, PIX)
+    return p00, v00, v01, v10, v11, y - y0f, x - x0f, inside
 
 
 @triton.jit
