@@ -7,25 +7,29 @@ What Triton's CPU interpreter (the CI's kernel tests) cannot show: code that com
 for a GPU (types, layouts, atomics of a dtype), shared memory over the GPU's limit, register spills. Run it after a
 kernel change on a machine without a GPU; the GPU tests are still what checks results.
 
-    python benchmarks/tools/compile_check.py [--arch 90] [--quick] [--json out.json]
+    python benchmarks/tools/compile_check.py [--arch 90] [--quick] [--json out.json] [--compare earlier.json]
 
 How: Triton's driver answers as the target GPU's; every JIT call compiles only (``warmup``), and refuses a kernel
 that needs more shared memory than the GPU has, as Triton does before a launch (the tile choice then takes the next
 candidate, as on such a GPU); the ops run on CPU tensors with the Triton backend forced (outputs are left
 unwritten, so values mean nothing). The cuobjdump Triton ships with reads the registers and local memory of each
-cubin.
+cubin, and its machine code: --compare lists the variants whose machine code differs from an earlier run's --json
+(a refactor that should change no kernel, checked without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import traceback
 import types
+from typing import Tuple
 
 os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter's
 os.environ["DEFORMCONV_FAST_LAUNCH"] = "0"  # every launch through the JIT (which compiles and returns)
@@ -240,8 +244,18 @@ FAMILIES = {"deform_conv2d": deform_conv2d_cases, "dcnv": dcnv_cases, "msda": ms
 # --- resources and report ----------------------------------------------------------------------------------------
 
 
+def sass_digest(text: str) -> Tuple[str, int]:
+    """(hash, instruction count) of cuobjdump's SASS listing, addresses and encodings left out: equal hashes are the
+    same machine code."""
+    lines = [re.sub(r"/\*.*?\*/", "", ln).strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not ln.startswith(("//", ".", "Function", "code for", "Fatbin", "arch",
+                                                               "host", "compile_size"))]
+    return hashlib.sha1("\n".join(lines).encode()).hexdigest(), len(lines)
+
+
 def resource_usage(records) -> None:
-    """REG and LOCAL (bytes of local memory a thread: spills) of each cubin, from the cuobjdump Triton ships."""
+    """REG and LOCAL (bytes of local memory a thread: spills) of each cubin, from the cuobjdump Triton ships, and its
+    machine code's sass_digest."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
         for i, rec in enumerate(records):
@@ -253,6 +267,24 @@ def resource_usage(records) -> None:
             fields = dict(tok.split(":", 1) for tok in line.split() if ":" in tok)
             rec["regs"] = int(fields.get("REG", -1))
             rec["local"] = int(fields.get("LOCAL", -1))
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout
+            rec["sass"], rec["instructions"] = sass_digest(sass)
+
+
+def compare(records, path: str) -> None:
+    """Prints the kernel variants (kernel and first case) whose machine code differs from an earlier --json's: a
+    refactor meant to change nothing changes none."""
+    with open(path) as fh:
+        old = {(r["kernel"], r["cases"][0]): r for r in json.load(fh)["records"]}
+    new = {(r["kernel"], r["cases"][0]): r for r in records}
+    same = [k for k in new if k in old and old[k].get("sass") == new[k]["sass"]]
+    changed = [k for k in new if k in old and old[k].get("sass") != new[k]["sass"]]
+    print(f"\nagainst {path}: {len(same)} variants the same machine code, {len(changed)} changed, "
+          f"{len(set(new) - set(old))} new, {len(set(old) - set(new))} gone")
+    for k in changed:
+        o, n = old[k], new[k]
+        print(f"  {k[0]} ({k[1]}): {o.get('instructions')} -> {n['instructions']} instructions, "
+              f"{o.get('regs')} -> {n['regs']} registers")
 
 
 def main(argv=None) -> int:
@@ -268,6 +300,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scalars-constant", action="store_true", help="also compile each kernel with every scalar "
                     "argument a constant, as torch.compile's mutation analysis does in some torch versions")
     ap.add_argument("--json", help="write the records here")
+    ap.add_argument("--compare", help="an earlier --json: list the variants whose machine code changed")
     a = ap.parse_args(argv)
 
     if a.smem_limit is None:
@@ -318,6 +351,8 @@ def main(argv=None) -> int:
         print(f"{name:<44} {k['variants']:>8} {k['regs']:>8} {k['shared']:>9} {k['local']:>9}")
     for f in failures:
         print(f"\nFAILED {f['case']}\n{f['error']}\n{f['where']}")
+    if a.compare:
+        compare(records, a.compare)
     if a.json:
         with open(a.json, "w") as fh:
             json.dump(dict(arch=a.arch, triton=triton.__version__, torch=torch.__version__, records=records,
