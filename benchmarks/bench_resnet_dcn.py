@@ -29,7 +29,8 @@ CASES = {"b32-224": (32, 224, 224), "b2-800x1216": (2, 800, 1216)}
 
 
 class TorchvisionModulatedDeformConv2dPack(nn.Module):
-    """The same layer (parameters and offset conv) as deformconv's ModulatedDeformConv2dPack, on torchvision's op."""
+    """The same layer (parameters and offset conv) as deformconv's ModulatedDeformConv2dPack, on torchvision's op, its
+    offset and mask split as mmcv's layer splits them (torch's slices and sigmoid)."""
 
     def __init__(self, layer):
         super().__init__()
@@ -38,8 +39,10 @@ class TorchvisionModulatedDeformConv2dPack(nn.Module):
     def forward(self, x):
         import torchvision
 
-        offset, mask = self.layer.offset_and_mask(x)
         L = self.layer
+        out = L.conv_offset(x)
+        n_off = 2 * L.offset_groups * L.kernel_size[0] * L.kernel_size[1]
+        offset, mask = out[:, :n_off], torch.sigmoid(out[:, n_off:])
         return torchvision.ops.deform_conv2d(x, offset, L.weight, L.bias, L.stride, L.padding, L.dilation, mask)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .checks import PLAIN_TENSOR_TYPES
+from .checks import PLAIN_TENSOR_TYPES, suggest_memory_format
 from .library import _setup_context, backward_impl, forward_impl, input_grads
 
 _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(d)])
@@ -127,3 +127,43 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
     if needs_grad(tensors):
         return without_autocast(device_type, _EagerOp.apply, forward, backward, tuple(differentiable), *args)
     return without_autocast(device_type, forward, *args)  # no autograd node (inference)
+
+
+class _SplitOffsetMask(torch.autograd.Function):
+    """split_offset_mask's autograd node."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, n_off: int):
+        n, c, h, w = out.shape
+        offset = out[:, :n_off].contiguous()
+        mask = torch.empty((n, c - n_off, h, w), dtype=out.dtype, device=out.device)
+        torch.sigmoid(out[:, n_off:], out=mask)
+        ctx.save_for_backward(mask)
+        ctx.n_off, ctx.shape, ctx.memory_format = n_off, out.shape, suggest_memory_format(out)
+        return offset, mask
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_offset, grad_mask):
+        (mask,) = ctx.saved_tensors
+        grad = torch.empty(ctx.shape, dtype=mask.dtype, device=mask.device, memory_format=ctx.memory_format)
+        if grad_offset is None:
+            grad[:, :ctx.n_off].zero_()
+        else:
+            grad[:, :ctx.n_off].copy_(grad_offset)
+        if grad_mask is None:
+            grad[:, ctx.n_off:].zero_()
+        else:
+            torch.ops.aten.sigmoid_backward.grad_input(grad_mask, mask, grad_input=grad[:, ctx.n_off:])
+        return grad, None
+
+
+def split_offset_mask(out: Tensor, n_off: int):
+    """A modulated layer's (offset, mask) from its offset conv's output [N, C, H, W]: its first n_off channels, and the
+    sigmoid of the others; or None where the call must take torch's own ops (fast_path_ok: under torch.compile they
+    fuse there). Both come contiguous, as the kernels read them, from one autograd node and two GPU kernels each way,
+    where slices, a sigmoid and the op's contiguous copies take three nodes, three kernels forward and eight
+    backward."""
+    if not fast_path_ok([out]):
+        return None
+    return _SplitOffsetMask.apply(out, n_off)

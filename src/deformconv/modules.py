@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .checks import IntPair, pair
+from .eager import split_offset_mask
 from .functional import deform_conv2d, deform_conv2d_script
 
 
@@ -216,7 +217,16 @@ class ModulatedDeformConv2dPack(_PackBase):
         """The learned ``(offset, mask)`` for this input."""
         out = self.conv_offset(input)
         n_off = 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
+        if not torch.jit.is_scripting():
+            split = self._split_eagerly(out, n_off)
+            if split is not None:
+                return split
         return out[:, :n_off], torch.sigmoid(out[:, n_off:])
+
+    @torch.jit.unused
+    def _split_eagerly(self, out: Tensor, n_off: int) -> Optional[Tuple[Tensor, Tensor]]:
+        """The same split in one autograd node (eager.split_offset_mask), or None under torch.compile and the like."""
+        return split_offset_mask(out, n_off)
 
     def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
         offset, mask = self.offset_and_mask(input)
