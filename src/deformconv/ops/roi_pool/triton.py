@@ -5,9 +5,10 @@ channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along 
 [BLOCK_BINS, BLOCK_C] for channels_last), looping over the RoI's own sample grid (adaptive sampling: runtime loop
 bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels one
 at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a pixel apart,
-so a warp's loads share cache lines, where bins along the threads put each load in a line of its own. A backward program owns one RoI and loops over the channel blocks, so each bin's
-offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer (int64
-fixed point in deterministic mode: common/fixed_point.py).
+so a warp's loads share cache lines, where bins along the threads put each load in a line of its own. A backward
+program owns one RoI and loops over the channel blocks, so each bin's offset gradient is summed in registers and
+stored once; grad_input is added by atomics into an fp32 buffer (int64 fixed point in deterministic mode:
+common/fixed_point.py).
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def _roi_pool_fwd_kernel(
     BLOCK_BINS: tl.constexpr, BLOCK_C: tl.constexpr,
     BINS_FAST: tl.constexpr,  # the tile [BLOCK_C, BLOCK_BINS], bins along the threads (an input whose channels are
                               # planes apart: neighbouring bins' samples lie near each other); else [BLOCK_BINS, BLOCK_C]
-    BLOCK_S: tl.constexpr,    # (BINS_FAST only) RoIs with 2·BLOCK_S or more samples a bin take the spread tile; 0: none
+    BLOCK_S: tl.constexpr,    # (BINS_FAST) RoIs with 2·BLOCK_S or more samples a bin take the spread tile; 0: none
 ):
     """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
     r = tl.program_id(0)
