@@ -26,7 +26,7 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, channel_row_blocks, run_cached
-from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
+from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -93,8 +93,8 @@ def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow,
         DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
     c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
     w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-    return acc + (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
-                  + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
+                       c11.to(tl.float32), False)
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _dcn_bwd_kernel(
             c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
             if NEED_MSK:
                 w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
-                s = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
                 gm = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
                 tl.store(gmsk_ptr + msk_row + k, gm.to(gmsk_ptr.dtype.element_ty), mask=m_ok)
             if NEED_OFF:

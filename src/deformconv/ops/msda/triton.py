@@ -20,7 +20,7 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, channel_row_blocks, run_cached
-from ..common.sampling import bilinear_weights, load_corners, point_corners, scatter_add
+from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
 
@@ -87,8 +87,8 @@ def _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, idx, h, w, pix_base, PI
     p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
     c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
     w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
-    return acc + (w00[:, None] * c00.to(tl.float32) + w01[:, None] * c01.to(tl.float32)
-                  + w10[:, None] * c10.to(tl.float32) + w11[:, None] * c11.to(tl.float32))
+    return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
+                       c11.to(tl.float32), False)
 
 
 @triton.jit
@@ -152,7 +152,7 @@ def _msda_bwd_kernel(
                 c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
                 if NEED_ATTN:
                     w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
-                    s = w00[:, None] * c00 + w01[:, None] * c01 + w10[:, None] * c10 + w11[:, None] * c11
+                    s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
                     ga = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
                     tl.store(gattn_ptr + idx, ga.to(gattn_ptr.dtype.element_ty), mask=r_ok)
                 if NEED_LOC:

@@ -97,6 +97,12 @@ def _axis(c, size):
 
 
 @triton.jit
+def _grid_axis(start, i, size, n, limit):
+    """_axis of sample i of a bin's n along one axis: at start + (i + 0.5) · size / n (size: the bin's extent)."""
+    return _axis(start + (i + 0.5) * size / n, limit)
+
+
+@triton.jit
 def _per_bin(v, BINS_FAST: tl.constexpr):
     """A [BLOCK_BINS] vector as a column of the forward's tile: [1, BLOCK_BINS] where bins run along the threads
     (BINS_FAST), else [BLOCK_BINS, 1]."""
@@ -128,11 +134,9 @@ def _pool_block_store(x_image, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, 
     else:
         acc = tl.zeros((BLOCK_BINS, BLOCK_C), dtype=tl.float32)
     for iy in range(gh):
-        y = sy + (iy + 0.5) * bin_h / gh
-        yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
+        yl, yh, wyl, wyh, sly, in_y = _grid_axis(sy, iy, bin_h, gh, H)
         for ix in range(gw):
-            x = sx + (ix + 0.5) * bin_w / gw
-            xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
+            xl, xh, wxl, wxh, slx, in_x = _grid_axis(sx, ix, bin_w, gw, W)
             live = _per_bin(bin_live & in_y & in_x, BINS_FAST) & c_live
             v00, v01, v10, v11 = load_grid_corners(base, _per_bin(yl * sh, BINS_FAST), _per_bin(yh * sh, BINS_FAST),
                                                    _per_bin(xl * sw, BINS_FAST), _per_bin(xh * sw, BINS_FAST), live)
@@ -155,10 +159,8 @@ def _pool_spread_channel(x_base, bins, bin_live, sx, sy, bin_w, bin_h, gh, gw, H
         s = s0 + offs_s
         iy = s // gw
         ix = s - iy * gw
-        y = sy[:, None] + (iy[None, :] + 0.5) * bin_h / gh
-        x = sx[:, None] + (ix[None, :] + 0.5) * bin_w / gw
-        yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
-        xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
+        yl, yh, wyl, wyh, sly, in_y = _grid_axis(sy[:, None], iy[None, :], bin_h, gh, H)
+        xl, xh, wxl, wxh, slx, in_x = _grid_axis(sx[:, None], ix[None, :], bin_w, gw, W)
         live = bin_live[:, None] & (s < n_s)[None, :] & in_y & in_x
         v00, v01, v10, v11 = load_grid_corners(x_base, yl * sh, yh * sh, xl * sw, xh * sw, live)
         acc += wyl * wxl * v00 + wyl * wxh * v01 + wyh * wxl * v10 + wyh * wxh * v11
@@ -239,11 +241,9 @@ def _roi_pool_bwd_kernel(
         base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
         gbase = gin_ptr + (b * C + offs_c.to(tl.int64))[None, :] * HW
         for iy in range(gh):
-            y = sy + (iy + 0.5) * bin_h / gh
-            yl, yh, wyl, wyh, sly, in_y = _axis(y, H)
+            yl, yh, wyl, wyh, sly, in_y = _grid_axis(sy, iy, bin_h, gh, H)
             for ix in range(gw):
-                x = sx + (ix + 0.5) * bin_w / gw
-                xl, xh, wxl, wxh, slx, in_x = _axis(x, W)
+                xl, xh, wxl, wxh, slx, in_x = _grid_axis(sx, ix, bin_w, gw, W)
                 live = (bin_live & in_y & in_x)[:, None] & c_ok[None, :]
                 if NEED_IN:
                     scatter_add(gbase + (yl * W + xl)[:, None], g * (wyl * wxl)[:, None], live, fixed_scale, FIXED)
