@@ -79,7 +79,10 @@ def timed(step, steps=30, warmup=10):
     return statistics.median(times), torch.cuda.max_memory_allocated() / 2**20
 
 
-def run_case(kind, base, case, dtype, mode, log):
+def case_steps(kind: str, base: nn.Module, case: str, dtype, mode: str):
+    """(net, train_step, infer_step) of a case: the network (built, on the GPU, channels_last; at detection
+    resolution its features, no classifier) and its SGD training step (forward, cross-entropy or a feature sum,
+    backward, step) and inference forward under autocast to dtype, eager or compiled in mode."""
     n, h, w = CASES[case]
     net = build(kind, base).cuda().to(memory_format=torch.channels_last)
     if h != w:  # detection resolution: the backbone's features, no classifier
@@ -89,11 +92,6 @@ def run_case(kind, base, case, dtype, mode, log):
     x = torch.randn(n, 3, h, w, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
     y = torch.randint(0, 1000, (n,), device="cuda", generator=g)
     fwd = net if mode == "eager" else torch.compile(net, mode=None if mode == "default" else mode)
-    from deformconv import config
-
-    rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
-    if mode != "eager":
-        rec["compile_kernels"] = config.compile_kernels()  # DEFORMCONV_COMPILE_KERNELS
 
     def loss_of(out):
         return F.cross_entropy(out.float(), y) if h == w else out.float().square().mean()
@@ -113,6 +111,27 @@ def run_case(kind, base, case, dtype, mode, log):
         with torch.no_grad(), torch.autocast("cuda", dtype=dtype):
             fwd(x)
 
+    return net, train_step, infer_step
+
+
+def resnet50_base() -> nn.Module:
+    """The seeded ResNet-50 every network of a run is built from (cuDNN benchmarking on); exits without a GPU."""
+    import torchvision
+
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU")
+    torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    return torchvision.models.resnet50()
+
+
+def run_case(kind, base, case, dtype, mode, log):
+    from deformconv import config
+
+    net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
+    rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
+    if mode != "eager":
+        rec["compile_kernels"] = config.compile_kernels()  # DEFORMCONV_COMPILE_KERNELS
     try:
         net.train()
         t0 = time.perf_counter()
@@ -178,8 +197,6 @@ def layer_times(case, dtype, log):
 
 
 def main(argv=None):
-    import torchvision
-
     from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -190,11 +207,7 @@ def main(argv=None):
     ap.add_argument("--layers", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = torchvision.models.resnet50()
+    base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     records, layers = [], []
     for spec in args.cases:

@@ -16,7 +16,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -34,28 +33,11 @@ def category(name: str) -> str:
 
 
 def profile_step(kind, base, case, dtype, mode, steps, rows):
-    from bench_resnet_dcn import CASES, build
-    from torch import nn
+    from bench_resnet_dcn import case_steps
     from torch.profiler import ProfilerActivity, profile
 
-    n, h, w = CASES[case]
-    net = build(kind, base).cuda().to(memory_format=torch.channels_last).train()
-    if h != w:
-        net.fc = nn.Identity()
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(n, 3, h, w, device="cuda", generator=g).contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 1000, (n,), device="cuda", generator=g)
-    fwd = net if mode == "eager" else torch.compile(net)
-
-    def step():
-        with torch.autocast("cuda", dtype=dtype):
-            out = fwd(x)
-            loss = F.cross_entropy(out.float(), y) if h == w else out.float().square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    net, step, _ = case_steps(kind, base, case, dtype, mode)
+    net.train()
     for _ in range(5):
         step()
     torch.cuda.synchronize()
@@ -84,7 +66,7 @@ def profile_step(kind, base, case, dtype, mode, steps, rows):
 
 
 def main(argv=None):
-    import torchvision
+    from bench_resnet_dcn import resnet50_base
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="b32-224:bfloat16", help="case:dtype, as bench_resnet_dcn.py's --cases")
@@ -93,11 +75,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
-    torch.backends.cudnn.benchmark = True
-    torch.manual_seed(0)
-    base = torchvision.models.resnet50()
+    base = resnet50_base()
     case, dt = args.case.split(":")
     for mode in args.modes:
         for kind in args.nets:
