@@ -11,9 +11,12 @@ input and weight), `do_bench` medians of eager calls and `do_bench_cudagraph` me
 DCNv4's and DCNv3's own CUDA kernels join as the `dcnv4_cuda` and `dcnv3_cuda` rows where they are importable:
 installed from their sources with their own setup.py (`pip install --no-build-isolation --target DIR DCNv4_op`,
 likewise InternImage's `classification/ops_dcnv3` into another DIR, then the DIR on PYTHONPATH), which needs a CUDA
-toolkit. Checked for sm_90 with nvcc 13.0 and torch 2.14 (2026-12-05): DCNv4_op (OpenGVLab/DCNv4 at 4b848f7)
-compiles as published; ops_dcnv3 after `input.type()` becomes `input.scalar_type()` in its two AT_DISPATCH lines
-(torch 2.x removed that conversion). Nothing of them is part of this repository.
+toolkit. DCNv4_op (OpenGVLab/DCNv4 at 4b848f7) compiles as published; ops_dcnv3 after `input.type()` becomes
+`input.scalar_type()` in its two AT_DISPATCH lines (torch 2.x removed that conversion), and its functions import
+after `pkg_resources` (gone from recent setuptools) gives way to `importlib.metadata`. Both build on a machine
+without a GPU for one that has it: in a virtual environment with that machine's Python and torch, setup.py's
+`torch.cuda.is_available()` test dropped, `TORCH_CUDA_ARCH_LIST=9.0`, and `CPATH` at the nvidia wheels' include
+folder (cusparse.h). Nothing of them is part of this repository.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ first call's time.
 
 Deformable DETR's own CUDA kernel (its `models/ops`, fp32/fp64 only) joins as the `cuda` row where it is importable:
 installed from its source with its own setup.py (`pip install --no-build-isolation --target DIR models/ops`, then
-DIR on PYTHONPATH), which needs a CUDA toolkit. Checked for sm_90 with nvcc 13.0 and torch 2.14 (2026-12-05): it
-compiles after `value.type()` becomes `value.scalar_type()` in its two AT_DISPATCH lines (torch 2.x removed that
-conversion). Nothing of it is part of this repository.
+DIR on PYTHONPATH), which needs a CUDA toolkit. It compiles after `value.type()` becomes `value.scalar_type()` in its
+two AT_DISPATCH lines (torch 2.x removed that conversion), also on a machine without a GPU as bench_dcnv.py says.
+Nothing of it is part of this repository.
 """
 
 from __future__ import annotations
