@@ -44,11 +44,12 @@ def _grads(fn, leaves, gout):
     return out, torch.autograd.grad(out, leaves, gout.to(out.dtype))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_dcnv3_matches_the_naive_loops(name):
+def test_dcnv3_matches_the_naive_loops(name, backend):
     leaves, params, rc = _case(name)
     gout = torch.randn(naive_dcnv3(*leaves, *params, rc).shape, dtype=torch.float64)
-    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 64, rc), leaves, gout)
+    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 64, rc, backend=backend), leaves, gout)
     naive = _grads(lambda x, o, m: naive_dcnv3(x, o, m, *params, rc), leaves, gout)
     torch.testing.assert_close(ours[0], naive[0], atol=1e-12, rtol=1e-12)
     for what, a, b in zip(("input", "offset", "mask"), ours[1], naive[1]):
@@ -98,15 +99,17 @@ def test_deform_conv2d_convention(name):
     torch.testing.assert_close(a[1][0], b[1][0], atol=1e-12, rtol=1e-12)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -1e30], ids=["nan", "inf", "-huge"])
-def test_points_outside_or_nan_count_nowhere(value):
+def test_points_outside_or_nan_count_nowhere(value, backend):
     """A NaN, infinite or huge offset: that point contributes nothing and gets no gradient (as DCNv3's CUDA kernel,
     which skips points outside (-1, H) x (-1, W)); everything else stays finite and equal to the naive loops'."""
     (x, offset, mask), params, rc = _case("3x3-same")
     offset = offset.clone()
     offset[0, 2, 3, 5] = value
     gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
-    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc), [x, offset, mask], gout)
+    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend), [x, offset, mask],
+                  gout)
     for t in (ours[0], *ours[1]):
         assert torch.isfinite(t).all()
     clean = offset.clone()
@@ -115,6 +118,36 @@ def test_points_outside_or_nan_count_nowhere(value):
     torch.testing.assert_close(ours[0], naive[0])
     torch.testing.assert_close(ours[1][0], naive[1][0])
     assert ours[1][1][0, 2, 3, 5] == 0
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_points_on_the_border_get_no_gradient(backend):
+    """Zero offsets put a 3x3 layer's corner taps on the line y = -1 (or x = -1) exactly: outside the open interval
+    (-1, H), such a point counts nowhere and its offsets get no gradient, as in the naive loops (grid_sample alone
+    would give the pixel row 0 a say in dy there)."""
+    (x, offset, mask), params, rc = _case("3x3-same")
+    offset = torch.zeros_like(offset)
+    gout = torch.randn(x.shape[0], *mask.shape[1:3], x.shape[3], dtype=torch.float64)
+    ours = _grads(lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend), [x, offset, mask],
+                  gout)
+    naive = _grads(lambda x, o, m: naive_dcnv3(x, o, m, *params, rc), [x, offset, mask], gout)
+    for what, a, b in zip(("output", "input", "offset", "mask"), (ours[0], *ours[1]), (naive[0], *naive[1])):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+    assert (ours[1][1][:, 0, :, 0:2] == 0).all()  # top row, point (i=0, j=0): on y = -1 and x = -1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["3x3-same", "nonsquare-stride"])
+def test_cpu_backend_in_low_precision(name, dtype):
+    """The CPU backend computes float32 and half inputs in float32: against float64 within the dtype's tolerance."""
+    leaves, params, rc = _case(name)
+    gout = torch.randn(naive_dcnv3(*leaves, *params, rc).shape, dtype=torch.float64)
+    fn = lambda x, o, m: deformconv.dcnv3(x, o, m, *params, 256, rc, backend="cpu")  # noqa: E731
+    ours = _grads(fn, [t.to(dtype) for t in leaves], gout)
+    exact = _grads(fn, [t.to(dtype).double() for t in leaves], gout)
+    for what, a, b in zip(("output", "input", "offset", "mask"), (ours[0], *ours[1]), (exact[0], *exact[1])):
+        assert a.dtype == dtype and torch.isfinite(a).all(), what
+        assert_close(a, b, dtype, what)
 
 
 def test_half_inputs_compute_in_float32():
@@ -325,9 +358,17 @@ def test_triton_points_outside_or_nan_count_nowhere(value):
 def test_automatic_backend_and_errors():
     from deformconv.backends import select_op_backend as select
 
-    assert select(torch.device("cpu"), torch.float32, "") == "reference"
+    from deformconv.backends import ROI_BACKENDS
+
+    assert select(torch.device("cpu"), torch.float32, "") == "cpu"
     assert select(torch.device("cpu"), torch.float64, "reference") == "reference"
+    assert select(torch.device("meta"), torch.float32, "") == "reference"  # the CPU backend runs on CPU tensors only
+    assert select(torch.device("cpu"), torch.float32, "", ROI_BACKENDS) == "reference"  # RoI pooling has none
     with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
         select(torch.device("cpu"), torch.float64, "triton")
+    with pytest.raises(RuntimeError, match="backend='cpu' cannot run on device meta"):
+        select(torch.device("meta"), torch.float32, "cpu")
     with pytest.raises(ValueError, match="backend must be one of"):
-        select(torch.device("cpu"), torch.float32, "cpu")
+        select(torch.device("cpu"), torch.float32, "cpu", ROI_BACKENDS)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        select(torch.device("cpu"), torch.float32, "cuda")

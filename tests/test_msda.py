@@ -45,14 +45,55 @@ def _naive(v, s, st, loc, a, backend):
     return naive_ms_deform_attn(v, s, st, loc, a)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_reference_matches_the_naive_loops(name):
+def test_backends_match_the_naive_loops(name, backend):
     value, shapes, starts, loc, attn = _case(name)
     gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
-    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, backend="reference")
+    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, backend=backend)
     naive = _grads(_naive, value, shapes, starts, loc, attn, gout)
     for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, naive):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -0.25], ids=["nan", "inf", "on-the-border"])
+def test_points_outside_or_nan_count_nowhere(bad, backend):
+    """A NaN or infinite location, or one exactly on a level's border (x·W - 0.5 = -1: outside the open interval),
+    counts nowhere and gets no gradient; an infinite value at a pixel no point reads reaches nothing."""
+    value, shapes, starts, loc, attn = _case("4-levels")
+    assert shapes[3].tolist() == [1, 2]  # the last level: W = 2, so x = -0.25 is pixel -1 exactly
+    value = value.clone()
+    value[0, 0] = float("inf")  # level 0's pixel (0, 0), read by no point once level 0's locations keep off it
+    loc = loc.clone()
+    loc[:, :, :, 0] = torch.where(loc[:, :, :, 0] < 2.0 / shapes[0].flip(0), 0.5, loc[:, :, :, 0])
+    loc[0, 1, 1, 3, 1, 0] = bad
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, backend=backend)
+    for what, t in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours):
+        assert torch.isfinite(t[:, 1:] if what == "grad_value" else t).all(), what
+    assert (ours[2][0, 1, 1, 3, 1] == 0).all() and ours[3][0, 1, 1, 3, 1] == 0
+    clean, finite = loc.clone(), value.clone()
+    clean[0, 1, 1, 3, 1, 0] = 1e6  # far outside: the same point skipped
+    finite[0, 0] = 0.0
+    naive = _grads(_naive, finite, shapes, starts, clean, attn, gout)
+    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, naive):
+        if what == "grad_value":
+            a, b = a[:, 1:], b[:, 1:]  # the infinite pixel's own gradient aside
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12, msg=what)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_backend_in_low_precision(dtype):
+    """The CPU backend computes float32 and half inputs in float32: against float64 within the dtype's tolerance."""
+    value, shapes, starts, loc, attn = _case("4-levels")
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    ours = _grads(_ours, value, shapes, starts, loc, attn, gout, dtype, backend="cpu")
+    exact = _grads(_ours, *[t.to(dtype).double() if t.is_floating_point() else t
+                            for t in (value, shapes, starts, loc, attn)], gout, backend="cpu")
+    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, exact):
+        assert a.dtype == dtype and torch.isfinite(a).all(), what
+        assert_close(a, b, dtype, what)
 
 
 def test_gradcheck():

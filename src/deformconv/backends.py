@@ -185,32 +185,39 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"backend must be one of {sorted(BACKENDS)} (or None for automatic), got {name!r}") from None
 
 
-# The other ops (DCNv3/DCNv4, multi-scale deformable attention, RoI pooling) have a Triton backend, which runs where
-# deform_conv2d's does, and a reference.
-OP_BACKENDS: Sequence[str] = ("triton", "reference")
+# The other ops have a Triton backend, which runs where deform_conv2d's does, and a reference; DCNv3/DCNv4 and
+# multi-scale deformable attention also a CPU backend (grid_sample's C++ sampler), the automatic choice on CPU tensors.
+OP_BACKENDS: Sequence[str] = ("triton", "cpu", "reference")
+ROI_BACKENDS: Sequence[str] = ("triton", "reference")
 
 
-def op_backend_name(backend: Optional[str]) -> str:
+def op_backend_name(backend: Optional[str], available: Sequence[str] = OP_BACKENDS) -> str:
     """A public function's backend= for the other ops as their op takes it ("" for None); an unknown name raises."""
-    if backend is not None and backend not in OP_BACKENDS:
-        raise ValueError(f"backend must be one of {list(OP_BACKENDS)} (or None for automatic), got {backend!r}")
+    if backend is not None and backend not in available:
+        raise ValueError(f"backend must be one of {list(available)} (or None for automatic), got {backend!r}")
     return backend or ""
 
 
-def select_op_backend(device: torch.device, dtype: torch.dtype, requested: str) -> str:
+def select_op_backend(device: torch.device, dtype: torch.dtype, requested: str,
+                      available: Sequence[str] = OP_BACKENDS) -> str:
     """The backend that runs a call of one of the other ops: the one requested (which must be able to), else the Triton
-    kernels where they run automatically (CUDA; fp16, bf16, fp32), else the reference."""
-    triton_reasons = BACKENDS["triton"].not_supported_reasons(device, dtype)
-    if requested == "triton":
-        if triton_reasons:
-            raise RuntimeError(f"backend='triton' cannot run on device {device} with dtype {dtype}: "
-                               + "; ".join(triton_reasons))
-        return "triton"
+    kernels where they run automatically (CUDA; fp16, bf16, fp32), else the CPU backend on CPU tensors where the op
+    has one, else the reference."""
+    if requested and requested not in available:
+        raise ValueError(f"backend must be one of {list(available)} (or None for automatic), got {requested!r}")
     if requested == "reference":
         return "reference"
     if requested:
-        raise ValueError(f"backend must be one of {list(OP_BACKENDS)} (or None for automatic), got {requested!r}")
-    return "triton" if not triton_reasons and BACKENDS["triton"].automatic(device) else "reference"
+        reasons = BACKENDS[requested].not_supported_reasons(device, dtype)
+        if reasons:
+            raise RuntimeError(f"backend={requested!r} cannot run on device {device} with dtype {dtype}: "
+                               + "; ".join(reasons))
+        return requested
+    if not BACKENDS["triton"].not_supported_reasons(device, dtype) and BACKENDS["triton"].automatic(device):
+        return "triton"
+    if "cpu" in available and not BACKENDS["cpu"].not_supported_reasons(device, dtype):
+        return "cpu"
+    return "reference"
 
 
 def not_supported_reasons(device: torch.device, dtype: torch.dtype) -> Dict[str, List[str]]:

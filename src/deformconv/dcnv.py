@@ -82,7 +82,8 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
         offset_scale (float): scales offsets and the taps' spread.
         im2col_step (int): accepted for compatibility; any value works. Default: 256.
         remove_center (bool): skip the centre point (odd square kernels), K = kh*kw - 1. Default: ``False``.
-        backend (str, optional, keyword-only): ``"reference"``, or ``None`` for automatic. Default: ``None``.
+        backend (str, optional, keyword-only): ``"triton"``, ``"cpu"`` or ``"reference"``; ``None``: automatic.
+            Default: ``None``.
 
     Returns:
         Tensor[N, Ho, Wo, group * group_channels], Ho and Wo as a convolution's.

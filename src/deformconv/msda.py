@@ -32,7 +32,8 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         sampling_locations (Tensor[N, Lq, M, L, P, 2]): (x, y), 0..1 across the level (outside allowed).
         attention_weights (Tensor[N, Lq, M, L, P]): (softmaxed over L*P by the caller).
         im2col_step (int): accepted for compatibility; any value works. Default: 64.
-        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"``; ``None``: automatic. Default: ``None``.
+        backend (str, optional, keyword-only): ``"triton"``, ``"cpu"`` or ``"reference"``; ``None``: automatic.
+            Default: ``None``.
 
     Returns:
         Tensor[N, Lq, M * D] in value's dtype. Gradients for value, sampling_locations and attention_weights. Under

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
-from .backends import op_backend_name
+from .backends import ROI_BACKENDS, op_backend_name
 from .eager import run_eager
 from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool
 
@@ -85,7 +85,7 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, [ph, pw], float(spatial_scale), int(sampling_ratio), float(gamma),
-            op_backend_name(backend))
+            op_backend_name(backend, ROI_BACKENDS))
     out = run_eager(_op.roi_pool_forward, _op.roi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_roi_pool(*args)
 
@@ -259,7 +259,7 @@ def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spa
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, float(spatial_scale), pooled_size, output_dim, group_size, part_size,
-            sample_per_part, float(trans_std), op_backend_name(backend))
+            sample_per_part, float(trans_std), op_backend_name(backend, ROI_BACKENDS))
     out = run_eager(_op.psroi_pool_forward, _op.psroi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_psroi_pool(*args)
 

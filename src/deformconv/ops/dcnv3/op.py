@@ -26,8 +26,13 @@ def geometry(input: Tensor, kernel, stride, pad, dilation, group: int, group_cha
 
 
 def _impl(input: Tensor, backend: str):
-    if input.shape[0] == 0 or select_op_backend(input.device, input.dtype, backend) == "reference":
+    chosen = "reference" if input.shape[0] == 0 else select_op_backend(input.device, input.dtype, backend)
+    if chosen == "reference":
         return reference
+    if chosen == "cpu":
+        from . import cpu
+
+        return cpu
     from . import triton as kernels
 
     return kernels

@@ -109,20 +109,20 @@ def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, 
     return tuple(None if g is None else g.to(t.dtype) for g, t in zip(grads, (input, offset, mask)))
 
 
-def dcnv4_forward(input: Tensor, offset_mask: Tensor, geo: DcnGeometry) -> Tensor:
-    """DCNv4: DCNv3's core on offset_mask's offsets and weights."""
+def dcnv4_forward(input: Tensor, offset_mask: Tensor, geo: DcnGeometry, core=dcn_forward) -> Tensor:
+    """DCNv4: DCNv3's core (this module's, or another backend's `core`) on offset_mask's offsets and weights."""
     from .op import split_offset_mask
 
-    return dcn_forward(input, *split_offset_mask(offset_mask, geo.group, geo.points), geo)
+    return core(input, *split_offset_mask(offset_mask, geo.group, geo.points), geo)
 
 
 def dcnv4_backward(grad_out: Tensor, input: Tensor, offset_mask: Tensor, geo: DcnGeometry,
-                   needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
-    """DCNv4: gradients (input, offset_mask), offset_mask's padding channels zero."""
+                   needs: Sequence[bool], core=dcn_backward) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+    """DCNv4: gradients (input, offset_mask), offset_mask's padding channels zero (`core` as in dcnv4_forward)."""
     from .op import join_offset_mask, split_offset_mask
 
     need_in, need_om = needs
     offset, mask = split_offset_mask(offset_mask, geo.group, geo.points)
-    g_in, g_off, g_mask = dcn_backward(grad_out, input, offset, mask, geo, [need_in, need_om, need_om])
+    g_in, g_off, g_mask = core(grad_out, input, offset, mask, geo, [need_in, need_om, need_om])
     g_om = join_offset_mask(g_off, g_mask, geo.group, geo.points, offset_mask.shape[-1]) if need_om else None
     return g_in, g_om

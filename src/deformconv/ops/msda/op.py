@@ -15,8 +15,13 @@ from . import reference
 
 
 def _impl(value: Tensor, backend: str):
-    if value.shape[0] == 0 or select_op_backend(value.device, value.dtype, backend) == "reference":
+    chosen = "reference" if value.shape[0] == 0 else select_op_backend(value.device, value.dtype, backend)
+    if chosen == "reference":
         return reference
+    if chosen == "cpu":
+        from . import cpu
+
+        return cpu
     from . import triton as kernels
 
     return kernels

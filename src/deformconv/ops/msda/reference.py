@@ -37,6 +37,14 @@ def _chunk(loc: Tensor, value: Tensor) -> int:
     return max(1, GATHER_BUDGET // max(lq * m * p * value.shape[-1], 1))
 
 
+def call_plan(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor):
+    """What every backend on plain PyTorch works out first: (compute dtype, N, Lq, M, D, levels as _levels gives
+    them, images a chunk)."""
+    n_all, lq, m = sampling_locations.shape[:3]
+    return (compute_dtype(value.dtype), n_all, lq, m, value.shape[-1], _levels(spatial_shapes, level_start_index),
+            _chunk(sampling_locations, value))
+
+
 def _level_points(value, loc, level, h, w, start, ctype):
     """bilinear_corners of level `level`'s points for a chunk of images: [n, Lq, M, P]."""
     v = value[:, start:start + h * w].to(ctype)
@@ -48,12 +56,8 @@ def _level_points(value, loc, level, h, w, start, ctype):
 def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                            sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
     """out [N, Lq, M·D] in value's dtype."""
-    ctype = compute_dtype(value.dtype)
-    n_all, lq, m, _, _, _ = sampling_locations.shape
-    d = value.shape[-1]
-    levels = _levels(spatial_shapes, level_start_index)
+    ctype, n_all, lq, m, d, levels, step = call_plan(value, spatial_shapes, level_start_index, sampling_locations)
     out = torch.zeros(n_all, lq, m, d, dtype=ctype, device=value.device)
-    step = _chunk(sampling_locations, value)
     for s in range(0, n_all, step):
         e = min(n_all, s + step)
         for lvl, (h, w, start) in enumerate(levels):
@@ -70,14 +74,10 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
     point and a its weight: grad_attention = Σ_d go·s; grad_location = a·Σ_d go·∂s/∂(x, y)·(W_l, H_l); grad_value
     gets go·a·(corner weight) at each corner read."""
     need_v, need_loc, need_attn = needs
-    ctype = compute_dtype(value.dtype)
-    n_all, lq, m, _, _, _ = sampling_locations.shape
-    d = value.shape[-1]
-    levels = _levels(spatial_shapes, level_start_index)
+    ctype, n_all, lq, m, d, levels, step = call_plan(value, spatial_shapes, level_start_index, sampling_locations)
     g_v = torch.zeros(value.shape, dtype=ctype, device=value.device) if need_v else None
     g_loc = torch.zeros(sampling_locations.shape, dtype=ctype, device=value.device) if need_loc else None
     g_attn = torch.zeros(attention_weights.shape, dtype=ctype, device=value.device) if need_attn else None
-    step = _chunk(sampling_locations, value)
     for s in range(0, n_all, step):
         e = min(n_all, s + step)
         go = grad_out[s:e].to(ctype).reshape(e - s, lq, m, 1, d)

@@ -10,13 +10,13 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...backends import select_op_backend
+from ...backends import ROI_BACKENDS, select_op_backend
 from ...library import register_autocast
 from . import reference
 
 
 def _impl(input: Tensor, backend: str):
-    if select_op_backend(input.device, input.dtype, backend) == "reference":
+    if select_op_backend(input.device, input.dtype, backend, ROI_BACKENDS) == "reference":
         return reference
     from . import triton as kernels
 
@@ -91,7 +91,7 @@ register_autocast("deform_roi_pool", keep=(1,))
 
 
 def _ps_impl(input: Tensor, backend: str):
-    if select_op_backend(input.device, input.dtype, backend) == "reference":
+    if select_op_backend(input.device, input.dtype, backend, ROI_BACKENDS) == "reference":
         from . import ps_reference
 
         return ps_reference

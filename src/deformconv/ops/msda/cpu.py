@@ -1,0 +1,81 @@
+"""Multi-scale deformable attention on the CPU: each (image, head) value map of a level sampled by ``F.grid_sample``
+at the level's points (common/grid.py), weighted and summed; the backward through grid_sample's own. The same
+definition and signatures as reference.py (the oracle), level by level, in chunks of images.
+
+    value of level l  [n, H_l·W_l, M, D]  ->  planes [n·M, D, H_l, W_l]
+    points            y, x [n·M, Lq, P]   (pixels: location · size − 0.5)
+    out               [N, Lq, M·D]        <-  Σ_l Σ_p weight · samples [n·M, D, Lq, P]
+
+Half inputs compute in float32 and round once.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from ..common import grid
+from .reference import call_plan
+
+
+def _level(value, loc, attn, level, h, w, start, ctype):
+    """A chunk's planes, grid and weights [n·M, 1, Lq, P] (zero for the points that do not count) at one level."""
+    n, lq, m, _, p, _ = loc.shape
+    planes = grid.padded_planes(value[:, start:start + h * w].permute(0, 2, 3, 1).unflatten(-1, (h, w)).to(ctype))
+    where = loc[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, lq, p, 2)
+    points, inside = grid.pixel_grid(where[..., 1] * h - 0.5, where[..., 0] * w - 0.5, h, w)
+    a = attn[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, 1, lq, p)
+    return planes, points, inside, torch.where(inside[:, None], a, 0.0)
+
+
+def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                           sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
+    """out [N, Lq, M·D] in value's dtype."""
+    ctype, n_all, lq, m, d, levels, step = call_plan(value, spatial_shapes, level_start_index, sampling_locations)
+    out = value.new_empty(n_all, lq, m * d)
+    for s in range(0, n_all, step):
+        e = min(n_all, s + step)
+        acc = None
+        for lvl, (h, w, start) in enumerate(levels):
+            planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
+                                          start, ctype)
+            term = (grid.sample(planes, points) * a).sum(-1)  # [n·M, D, Lq]
+            acc = term if acc is None else acc.add_(term)
+        if acc is None:  # no levels: nothing sampled
+            out[s:e] = 0
+        else:
+            out[s:e] = acc.reshape(e - s, m, d, lq).permute(0, 3, 1, 2).reshape(e - s, lq, m * d)
+    return out
+
+
+def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
+                            sampling_locations: Tensor, attention_weights: Tensor, needs: Sequence[bool]
+                            ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
+    """Gradients (value, sampling_locations, attention_weights); None where needs says so (reference.py's formulas:
+    grid_sample's backward gives the value's share and Σ_d go·∂s/∂(x, y), times (W_l, H_l) for the locations)."""
+    need_v, need_loc, need_attn = (bool(t) for t in needs)
+    ctype, n_all, lq, m, d, levels, step = call_plan(value, spatial_shapes, level_start_index, sampling_locations)
+    p = sampling_locations.shape[4]
+    g_v = torch.zeros_like(value) if need_v else None  # zero: pixels past the last level get nothing
+    g_loc = sampling_locations.new_empty(sampling_locations.shape) if need_loc else None
+    g_attn = attention_weights.new_empty(attention_weights.shape) if need_attn else None
+    for s in range(0, n_all, step):
+        e = min(n_all, s + step)
+        n = e - s
+        go = grad_out[s:e].to(ctype).reshape(n, lq, m, d).permute(0, 2, 3, 1).reshape(n * m, d, lq, 1)
+        for lvl, (h, w, start) in enumerate(levels):
+            planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
+                                          start, ctype)
+            if need_attn:  # Σ_d go · sample, zero for a point that does not count (its grid point samples nothing)
+                ga = (go * grid.sample(planes, points)).sum(1)  # [n·M, Lq, P]
+                g_attn[s:e, :, :, lvl] = ga.reshape(n, m, lq, p).transpose(1, 2)
+            if need_v or need_loc:
+                gp, gy, gx = grid.sample_backward(go * a, planes, points, h, w, need_v, need_loc)
+                if need_v:
+                    g_v[s:e, start:start + h * w] += gp.reshape(n, m, d, h * w).permute(0, 3, 1, 2)
+                if need_loc:  # pixel = location · size − 0.5
+                    g = torch.stack((gx * w, gy * h), -1)  # [n·M, Lq, P, (x, y)]
+                    g_loc[s:e, :, :, lvl] = g.reshape(n, m, lq, p, 2).transpose(1, 2)
+    return g_v, g_loc, g_attn
