@@ -205,8 +205,14 @@ def main(argv=None):
     ap.add_argument("--nets", nargs="+", default=["plain", "deformconv", "torchvision"])
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
     ap.add_argument("--layers", action="store_true")
+    ap.add_argument("--columns-grad-weight", action="store_true", help="grad_weight through the column buffer "
+                    "(options.columns_grad_weight: ops/deform_conv2d/columns.py)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
+    if args.columns_grad_weight:
+        from deformconv.config import options
+
+        options.columns_grad_weight = True
     base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     records, layers = [], []
@@ -232,7 +238,8 @@ def main(argv=None):
                   f"{ours:.3f} | {conv:.3f} | {ours / conv:.2f} | {r.get('deformconv_fb_ms', 0):.3f} | "
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
-        write_results(args.out, environment("cuda"), records, layers=layers)
+        env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight)
+        write_results(args.out, env, records, layers=layers)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def kernel_modules():
     import importlib
 
     names = ("configs", "geometry", "schedule", "packing", "forward", "backward", "backward_data", "backward_weight",
-             "tiles")
+             "tiles", "columns")
     mods = {n: importlib.import_module(f"deformconv.ops.deform_conv2d.{n}") for n in names}
     for n in ("launch", "layout", "sampling"):
         mods[n] = importlib.import_module(f"deformconv.ops.common.{n}")

@@ -555,6 +555,33 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "1x1-no-mask", "og4-packed-segments",
+                                    "long-segment-partial-chunk", "groups2-og2"])
+@pytest.mark.parametrize("buffers", ["one", "several"], ids=["one-buffer", "chunks-and-several-buffers"])
+def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, monkeypatch, forced):
+    """options.columns_grad_weight: grad_weight from the sampled column buffer and one product per buffer gives the
+    oracle's gradients (the others unchanged), with the input read NHWC or offset-grouped (short segments), also with
+    the batch in chunks of images and each chunk's buffer holding one M tile of rows; conv groups and fp32 (which
+    keep the fused kernel) too."""
+    kernels = kernel_modules()
+    forced(columns_grad_weight=True)
+    if buffers == "several":
+        forced(default_workspace_budget=0.0, min_chunk_programs=1)  # one image a chunk
+        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)       # one M tile of rows a buffer
+    products = []
+    real = kernels.columns.mm_fp32
+    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
+    larger = dict(h=9, w=9) if config == "3x3-pad1" else {}  # 81 positions an image: 2 M tiles
+    args, kwargs = make_case(**dict(CONFIGS[config], n=3, **larger), dtype=dtype,
+                             seed=zlib.crc32(config.encode()) % 991)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32  # else the fused kernel
+    assert bool(products) == uses
+    if config == "3x3-pad1" and uses:  # one product a call, or one per image and M tile
+        assert len(products) == (1 if buffers == "one" else 3 * 2)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("direct", [True, False], ids=["stored-by-its-kernel", "finished-from-partials"])
 @pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
 def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch, forced):

@@ -152,6 +152,13 @@ def deform_conv2d_cases(dtypes):
                 out = deformconv.deform_conv2d(x, off, wt, b, (s, s), (p, p), (d, d), m, backend="triton")
                 _grads(out, [x, off, wt, b, m])
             yield f"deform_conv2d {name} {str(dtype)[6:]}", run
+            if name in ("resnet-c3-s2", "og8-wide"):  # grad_weight through the column buffer (columns.py)
+                def run_columns(run=run):
+                    from deformconv.config import options
+
+                    with options.override(columns_grad_weight=True):
+                        run()
+                yield f"deform_conv2d {name} columns {str(dtype)[6:]}", run_columns
 
 
 def dcnv_cases(dtypes):

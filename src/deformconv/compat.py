@@ -158,3 +158,25 @@ def launch_hooks_set() -> bool:
     enter, leave = _RUNTIME_KNOBS.launch_enter_hook, _RUNTIME_KNOBS.launch_exit_hook
     return (enter is not None and bool(getattr(enter, "calls", True))) or (
         leave is not None and bool(getattr(leave, "calls", True)))
+
+def mm_fp32(a, b):
+    """a @ b summed and returned in fp32 from 16-bit (or fp32) operands: torch.mm's out_dtype where this torch has it
+    for the device (CUDA, torch >= 2.8), else the operands upcast first (CPU tensors under the interpreter, older
+    torch): the same sums, more memory traffic."""
+    import torch
+
+    if a.dtype != torch.float32 and a.is_cuda and _MM_OUT_DTYPE:
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
+
+
+def _mm_has_out_dtype() -> bool:
+    import torch
+
+    try:
+        return "out_dtype" in str(torch.ops.aten.mm.dtype._schema)
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_MM_OUT_DTYPE = _mm_has_out_dtype()

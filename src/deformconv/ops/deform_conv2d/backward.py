@@ -25,11 +25,12 @@ from ..common.layout import (channel_sum, from_offset_grouped, run_transposes, t
                              to_offset_grouped)
 from .backward_data import launch_grad_data, run_grad_data
 from .backward_weight import finish_grads, launch_grad_weight, run_grad_weight, weight_targets
+from .columns import columns_grad_weight, columns_usable
 from .configs import Config, bwd_data_candidates, bwd_weight_candidates
 from .geometry import (contiguous_operands, grouped_input, plan_key, position_strides, segment_length, size_args,
                        tuning_class)
 from .packing import pack_weight
-from .schedule import backward_schedule, side_stream
+from .schedule import backward_schedule, side_stream, workspace_budget
 
 
 def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: int) -> Tuple[Tensor, Tensor]:
@@ -195,9 +196,12 @@ def _backward_chunk(
     x = to_offset_grouped(input, geo.offset_groups, gin, jobs) if plan.meta["GROUPED"] else to_nhwc(input, gin, jobs=jobs)
     run_transposes(jobs)
 
-    # --- grad_weight's config (the first call; any timing of candidates runs here) ---
+    # --- grad_weight's config (the first call; any timing of candidates runs here), unless it takes the column
+    # buffer (columns.py) ---
+    columns = need_w and columns_usable(geo, dtype, fixed_gin)
+    weight_kernel = need_w and not columns
     weight_cfg: Optional[Config] = None
-    if need_w and plan.weight is None:
+    if weight_kernel and plan.weight is None:
         def launch_weight(cfg: Config) -> Launch:
             targets = weight_targets(weight, geo, cfg.split, whole, bias_rows)
             return launch_grad_weight(geo, seg, plan.args, plan.meta, cfg, x, off, msk, go, targets)
@@ -223,7 +227,7 @@ def _backward_chunk(
     # stream before the fork, and this stream waits for it before any of them is freed, so the caching allocator
     # cannot hand their memory out early.
     side = main = join = targets = None
-    if need_w and concurrent and not (config.autotune() and plan.data is None):
+    if weight_kernel and concurrent and not (config.autotune() and plan.data is None):
         targets = new_targets()
         side, fork, join = side_stream(input.device)
         main = torch.cuda.current_stream(input.device)  # looked up once (its Stream object costs microseconds)
@@ -276,7 +280,9 @@ def _backward_chunk(
 
     # --- grad_weight: launched here unless it runs beside grad_input ---
     grad_w, grad_b = None, go_sums
-    if need_w:
+    if columns:  # after the accumulator is freed: the column buffer takes its memory
+        grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
+    elif need_w:
         if side is None:  # after the accumulator is freed: the partials take its memory
             targets = new_targets()
             grad_weight_into(targets)

@@ -1,0 +1,139 @@
+"""grad_weight through a column buffer: the sampled A stored by a kernel, then cuBLAS, instead of the fused kernel.
+
+    grad_weight[k, n] = Σ_m A[m, k]·grad_out[m, n]      (one conv group; k = (tap, input channel))
+
+Shapes (groups = 1):
+    input     [N, H, W, Cin]       NHWC (the backward's copy, or a channels_last input), or offset-grouped
+                                   [N, G, H, W, Cin/G] where the backward reads it so (geometry.grouped_input)
+    offset, mask                   as the forward's (forward.py)
+    cols      [R, kh·kw·Cin]       A's rows m0 .. m0 + R - 1, in the input's dtype; columns in pack_weight's row order
+    grad_out  [M, Cout]            channels-last rows
+    result    [1, 1, kh·kw, Cin, Cout] fp32: finish_grads' partial layout
+
+The fused grad_weight kernel samples A again for every N tile and sums over M in split partials; here A is sampled
+once and the product runs at cuBLAS's speed, for the price of writing and reading A: kh·kw times the input's size at
+stride 1. A is built R rows at a time (columns_rows bounds its memory). Off unless options.columns_grad_weight is set:
+docs/tuning.md has what decides it.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ...checks import ConvGeometry
+from ...compat import mm_fp32
+from ...config import options
+from ..common.launch import Launch, alignments, ceil_div, remember
+from ..common.sampling import bilinear_weights, blend, load_corners, sample_point
+from .tiles import position_setup, tap_origin
+
+# --- config --------------------------------------------------------------------------------------------
+
+BLOCK_M = 64          # positions a program (rows of A)
+MAX_BLOCK_K = 64      # channels a step
+WARPS = 8
+MIN_BUFFER = 64 << 20  # bytes of A at least allowed at once (else workspace_budget times the chunk's input)
+
+
+# --- kernel --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _columns_kernel(
+    x_ptr,        # input NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
+    off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
+    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read only if HAS_MASK)
+    cols_ptr,     # A's rows [R, KH*KW*Cin] from position TILE0*BLOCK_M on
+    H, W, CIN, HO, WO, M, COG, G,
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+    TILE0,        # the first M tile of this buffer
+    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr, GROUPED: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """A[m, tap·Cin + c] = mask · bilinear(x[n, :, :, c], point of (m, tap, offset group of c)). Grid: (M tiles of
+    the buffer, taps, offset groups)."""
+    pid_m = TILE0 + tl.program_id(0)
+    tap = tl.program_id(1)
+    og = tl.program_id(2)
+    KK: tl.constexpr = KH * KW
+    m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, False, BLOCK_M)
+    y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
+    PIX = COG if GROUPED else CIN  # the pixel stride, and where the group's channels start from a pixel's
+    group0 = og * (tl.cast(H * W, tl.int64) * COG if GROUPED else COG)  # tl.cast: H, W may be constants
+    p00, v00, v01, v10, v11, ly, lx, mv = sample_point(off_ptr, msk_ptr, off_row, msk_row, og * KK + tap, HO * WO,
+                                                       y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MASK)
+    w00, w01, w10, w11 = bilinear_weights(ly, lx, mv)  # A blended in fp32 and rounded once, as grad_weight's kernel
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * (KK * CIN) + tap * CIN
+    offs_k = tl.arange(0, BLOCK_K)
+    for c0 in range(0, COG, BLOCK_K):
+        k_ok = c0 + offs_k < COG
+        c00, c01, c10, c11 = load_corners(x_ptr, p00, group0 + c0 + offs_k, k_ok, v00, v01, v10, v11, W, PIX, False)
+        a = blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32),
+                  False)
+        tl.store(cols_ptr + rows[:, None] + (og * COG + c0 + offs_k)[None, :], a.to(cols_ptr.dtype.element_ty),
+                 mask=m_valid[:, None] & k_ok[None, :])
+
+
+# --- launcher ------------------------------------------------------------------------------------------
+
+
+def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+    """Whether grad_weight takes the column buffer: asked for (options.columns_grad_weight), one conv group, 16-bit
+    inputs (fp32's products would follow cuBLAS's TF32 switch, not cuDNN's as the kernels do), and not in deterministic
+    mode (cuBLAS's sums need its own deterministic workspace setting there)."""
+    return (bool(options.columns_grad_weight) and geo.groups == 1 and dtype in (torch.float16, torch.bfloat16)
+            and not fixed)
+
+
+def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float) -> int:
+    """Rows of A built at once: what max(budget × the chunk's input, MIN_BUFFER) bytes hold, in whole M tiles."""
+    row_bytes = geo.kernel_h * geo.kernel_w * geo.in_channels * elem
+    input_bytes = images * geo.in_channels * geo.height * geo.width * elem
+    rows = max(budget * input_bytes, MIN_BUFFER) // max(row_bytes, 1)
+    return max(BLOCK_M, int(rows) // BLOCK_M * BLOCK_M)
+
+
+def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[Tensor], go: Tensor,
+                        budget: float, grouped: bool) -> Tensor:
+    """grad_weight's fp32 sum [1, 1, kh·kw, Cin, Cout] over the chunk's images (x, off, msk and go: the chunk's; x as
+    the kernel reads it, offset-grouped if grouped; go channels-last [n, Cout, Ho, Wo])."""
+    n = x.shape[0]
+    kk, cin, cout = geo.kernel_h * geo.kernel_w, geo.in_channels, geo.out_channels
+    m = n * geo.out_h * geo.out_w
+    go_rows = go.permute(0, 2, 3, 1).reshape(m, cout)  # a view of a channels-last grad_out
+    rows = min(columns_rows(geo, n, x.element_size(), budget), ceil_div(m, BLOCK_M) * BLOCK_M)
+    cols = torch.empty((rows, kk * cin), dtype=x.dtype, device=x.device)
+    gw: Optional[Tensor] = None
+    for m0 in range(0, m, rows):
+        r = min(rows, m - m0)
+        tensors = (x, off, msk if msk is not None else off, cols)
+        _launch(geo, n, m, m0, r, x.dtype, msk is not None, grouped, alignments(tensors))(*tensors)
+        part = mm_fp32(cols[:r].t(), go_rows[m0:m0 + r])
+        gw = part if gw is None else gw.add_(part)
+    if gw is None:  # no positions
+        gw = torch.zeros((kk * cin, cout), dtype=torch.float32, device=x.device)
+    return gw.view(1, 1, kk, cin, cout)
+
+
+def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, dtype: torch.dtype, has_mask: bool, grouped: bool,
+            aligned: tuple) -> Launch:
+    """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature (aligned: the pointers'
+    alignment, which Triton specialises on)."""
+    cache = options.cache("columns")
+    key = (geo, n, m0, r, dtype, has_mask, grouped, aligned)
+    run = cache.get(key)
+    if run is None:
+        cog = geo.in_channels // geo.offset_groups
+        args = (geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, m, cog, geo.offset_groups,
+                *geo.stride, *geo.padding, *geo.dilation, m0 // BLOCK_M)
+        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=has_mask, GROUPED=grouped, BLOCK_M=BLOCK_M,
+                    BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(max(cog, 1))), num_warps=WARPS)
+        grid = (ceil_div(r, BLOCK_M), geo.kernel_h * geo.kernel_w, geo.offset_groups)
+        run = remember(cache, key, Launch(_columns_kernel, grid, args, meta))
+    return run
