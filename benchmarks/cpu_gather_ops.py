@@ -1,7 +1,8 @@
 """DCNv3/DCNv4 and multi-scale deformable attention on the CPU: the `cpu` backend (grid_sample's sampler) beside the
-`reference` (gathers) and a floor, wall-clock medians.
+`reference` (gathers) and a floor, wall-clock medians of repetitions in which the implementations take turns.
 
-    python benchmarks/cpu_gather_ops.py [--dtypes float32 bfloat16] [--threads N] [--out PATH]
+    python benchmarks/cpu_gather_ops.py [--dtypes float32 bfloat16] [--threads N] [--reps N] [--out PATH]
+                                        [--peer-dcnv3 DIR] [--peer-msda DIR]
 
 Loads at batch 1, the sizes of a CPU inference or a small fine-tuning step:
 - DCNv3 / DCNv4 at InternImage-T's four stages at 224^2 (56^2 x 64 in 4 groups ... 7^2 x 512 in 32), 3x3, offsets
@@ -12,13 +13,17 @@ Loads at batch 1, the sizes of a CPU inference or a small fine-tuning step:
 Forward (no grad) and forward+backward (gradients of every floating input).
 
 InternImage's `dcnv3_core_pytorch` and Deformable DETR's `ms_deform_attn_core_pytorch` (their pure-PyTorch versions,
-for debugging) join as `peer` rows where their packages import (both import their CUDA extension first).
+for debugging) join as `peer` rows with --peer-dcnv3 / --peer-msda: the folders their setup.py installed into
+(`pip install --target`). Where their CUDA extension is not built for this Python, a placeholder module stands in for
+it (the pure-PyTorch functions never call it).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -29,18 +34,44 @@ LEVELS = [(50, 76), (25, 38), (13, 19), (7, 10)]
 MSDA_LOADS = {"encoder": None, "decoder-300": 300}
 
 
-def _peers() -> dict:
+def _load_peer(root: str, name: str, extension: str):
+    """The package `functions` of a peer's install folder root (pip install --target), imported under a private name
+    (both peers call their package `functions`); extension: the compiled module it imports first, a placeholder where
+    it is not built for this Python (their pure-PyTorch functions never call it)."""
+    import importlib
+    import importlib.util
+    import types
+
+    try:
+        importlib.import_module(extension)
+    except ImportError:
+        sys.modules[extension] = types.ModuleType(extension)
+    if root not in sys.path:
+        sys.path.append(root)  # its dist-info (the DCNv3 package reads its own version)
+    folder = os.path.join(root, "functions")
+    spec = importlib.util.spec_from_file_location(f"_peer_{name}", os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _peers(dcnv3_root, msda_root) -> dict:
+    """InternImage's dcnv3_core_pytorch and Deformable DETR's ms_deform_attn_core_pytorch from their install folders,
+    where given and importable."""
+    import importlib
+
     found = {}
-    try:
-        from functions.dcnv3_func import dcnv3_core_pytorch  # InternImage's ops_dcnv3
-        found["dcnv3"] = dcnv3_core_pytorch
-    except Exception:  # not installed: no peer row
-        pass
-    try:
-        from functions.ms_deform_attn_func import ms_deform_attn_core_pytorch  # Deformable DETR's models/ops
-        found["msda"] = ms_deform_attn_core_pytorch
-    except Exception:
-        pass
+    for key, root, extension, module, attr in (
+            ("dcnv3", dcnv3_root, "DCNv3", "dcnv3_func", "dcnv3_core_pytorch"),
+            ("msda", msda_root, "MultiScaleDeformableAttention", "ms_deform_attn_func", "ms_deform_attn_core_pytorch")):
+        if root:
+            try:
+                package = _load_peer(root, key, extension)
+                found[key] = getattr(importlib.import_module(f"{package.__name__}.{module}"), attr)
+            except Exception as e:  # a folder without the function: no peer row
+                print(f"peer {key} not loaded: {type(e).__name__}: {e}", file=sys.stderr)
     return found
 
 
@@ -89,18 +120,59 @@ def _msda_cases(queries, dtype, peers):
     return cases
 
 
+def _interleaved(cases: dict, reps: int) -> dict:
+    """{impl_fwd_ms, impl_fb_ms: medians} (or impl_error), the implementations timed in turn within each repetition:
+    a shared machine's slow spells then fall on all of them alike."""
+    import statistics
+    import time
+
+    leaves = {k: [t.detach().requires_grad_(t.is_floating_point()) for t in inputs] for k, (inputs, _) in cases.items()}
+    times: dict = {k: ([], []) for k in cases}
+    errors = {}
+    for rep in range(reps + 1):  # the first a warm-up
+        for impl, (_, fn) in cases.items():
+            if impl in errors:
+                continue
+            try:
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    fn(*leaves[impl])
+                    t1 = time.perf_counter()
+                out = fn(*leaves[impl])
+                gout = torch.ones_like(out)
+                for t in leaves[impl]:
+                    t.grad = None
+                t2 = time.perf_counter()
+                fn(*leaves[impl]).backward(gout)
+                t3 = time.perf_counter()
+            except Exception as e:  # e.g. a peer that refuses bfloat16
+                errors[impl] = f"{type(e).__name__}: {e}"[:160]
+                continue
+            if rep:
+                times[impl][0].append((t1 - t0) * 1e3)
+                times[impl][1].append((t3 - t2) * 1e3)
+    row = {f"{k}_error": v for k, v in errors.items()}
+    for impl, (fwd, fb) in times.items():
+        if impl not in errors:
+            row[f"{impl}_fwd_ms"], row[f"{impl}_fb_ms"] = statistics.median(fwd), statistics.median(fb)
+    return row
+
+
 def main(argv=None):
-    from deformconv.benchmark import environment, time_ms, write_results
+    from deformconv.benchmark import environment, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, help="torch.set_num_threads (default: PyTorch's)")
+    ap.add_argument("--reps", type=int, default=9, help="timed repetitions (medians), implementations in turn")
+    ap.add_argument("--peer-dcnv3", help="InternImage's ops_dcnv3 installed here (pip install --target)")
+    ap.add_argument("--peer-msda", help="Deformable DETR's models/ops installed here (pip install --target)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     cpu = torch.device("cpu")
-    peers = _peers()
+    peers = _peers(args.peer_dcnv3, args.peer_msda)
     loads = [("dcn", k, v) for k, v in DCN_SHAPES.items()] + [("msda", k, v) for k, v in MSDA_LOADS.items()]
     rows = []
     for family, name, load in loads:
@@ -108,16 +180,7 @@ def main(argv=None):
             dtype = getattr(torch, dt_name)
             cases = (_dcn_cases if family == "dcn" else _msda_cases)(load, dtype, peers)
             row = dict(load=name, dtype=dt_name, threads=torch.get_num_threads())
-            for impl, (inputs, fn) in cases.items():
-                leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
-                try:
-                    with torch.no_grad():
-                        row[f"{impl}_fwd_ms"] = time_ms(lambda: fn(*leaves), cpu)
-                    out = fn(*leaves)
-                    gout = torch.randn_like(out)
-                    row[f"{impl}_fb_ms"] = time_ms(lambda: fn(*leaves).backward(gout), cpu, grads=leaves)
-                except Exception as e:  # e.g. a peer that refuses bfloat16
-                    row[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:160]
+            row.update(_interleaved(cases, args.reps))
             rows.append(row)
             print(json.dumps(row), flush=True)
     env = environment(cpu)

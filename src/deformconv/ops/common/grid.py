@@ -6,13 +6,15 @@ image read zero. grid_sample alone would let a point on the border (y = −1 exa
 coordinates, so the points that do not count are moved far outside (every corner unread: no sample, no gradient,
 nothing non-finite read) and their weights set to zero.
 
-Whole-pixel points (every point of a layer whose offsets are zero) must keep their pixel exactly: bilinear sampling's
-derivative jumps there, and the references take the corners (y0, y0 + 1) of y0 = floor(y). Normalising to
-grid_sample's [−1, 1] by dividing by H does not round-trip exactly (2/7 does not exist in binary), so each map is
-zero-padded to 2^k + 1 pixels a side and sampled with align_corners=True: the grid is pixel / 2^(k−1) − 1, which
-grid_sample undoes exactly for whole pixels. The padding reads zero, as outside the image.
+Whole-pixel points (every point of a layer whose offsets are zero) must keep their pixel exactly where gradients are
+taken: bilinear sampling's derivative jumps there, and the references take the corners (y0, y0 + 1) of
+y0 = floor(y). Normalising to grid_sample's [−1, 1] by dividing by H does not round-trip exactly (2/7 does not exist
+in binary), so for the backward (exact=True) each map is zero-padded to 2^k + 1 pixels a side and sampled with
+align_corners=True: the grid is pixel / 2^(k−1) − 1, which grid_sample undoes exactly for whole pixels, and the
+padding reads zero, as outside the image. A sample itself is continuous there (it moves by the rounding only), so
+the forward (exact=False) samples the maps as they are, without the padded copy.
 
-    planes    [B, D, H', W']   the maps sampled, one per (image, group or head), padded (padded_planes)
+    planes    [B, D, H, W]     the maps sampled, one per (image, group or head); [B, D, H', W'] padded if exact
     y, x      [B, Q, P]        points in pixels of the H × W image (Q positions or queries, P points each)
     grid      [B, Q, P, 2]     grid_sample's normalised (x, y)
     samples   [B, D, Q, P]
@@ -34,32 +36,40 @@ def _padded(size: int) -> int:
     return (1 << max(size - 2, 0).bit_length()) + 1
 
 
-def padded_planes(maps: Tensor) -> Tensor:
-    """A zero-padded copy [B, D, H', W'] of maps [..., D, H, W] (any strides; the leading dims flattened into B),
-    H' = 2^k + 1 >= H (likewise W'): one copy."""
+def planes_of(maps: Tensor, exact: bool) -> Tensor:
+    """The maps [..., D, H, W] (any strides; the leading dims flattened into B) as grid_sample's input [B, D, H, W]: a
+    contiguous copy, zero-padded to [B, D, H', W'] (H' = 2^k + 1 >= H, likewise W') if exact. One copy either way."""
     *lead, d, h, w = maps.shape
-    planes = maps.new_zeros(*lead, d, _padded(h), _padded(w))
+    if not exact:
+        return maps.reshape(-1, d, h, w).contiguous()
+    planes = maps.new_empty(*lead, d, _padded(h), _padded(w))
     planes[..., :h, :w] = maps
+    planes[..., h:, :] = 0  # the padding only: the maps' own pixels are written once
+    planes[..., :h, w:] = 0
     return planes.view(-1, d, planes.shape[-2], planes.shape[-1])
 
 
-def pixel_grid(y: Tensor, x: Tensor, H: int, W: int) -> Tuple[Tensor, Tensor]:
-    """(grid, inside): grid_sample's grid for pixel points (y, x) of an H × W image, and which of them count."""
+def pixel_grid(y: Tensor, x: Tensor, H: int, W: int, exact: bool) -> Tuple[Tensor, Tensor]:
+    """(grid, inside): grid_sample's grid for pixel points (y, x) of an H × W image (for planes_of(..., exact)), and
+    which of them count."""
     inside = (y > -1) & (y < H) & (x > -1) & (x < W)
-    gx = torch.where(inside, x * (2.0 / (_padded(W) - 1)) - 1, _OUTSIDE)  # 2 / 2^k: exact
-    gy = torch.where(inside, y * (2.0 / (_padded(H) - 1)) - 1, _OUTSIDE)
-    return torch.stack((gx, gy), -1), inside
+    if exact:  # pixel · 2 / 2^k − 1: exact
+        gx, gy = x * (2.0 / (_padded(W) - 1)) - 1, y * (2.0 / (_padded(H) - 1)) - 1
+    else:      # align_corners=False: (2 · pixel + 1) / size − 1
+        gx, gy = (2 * x + 1) / W - 1, (2 * y + 1) / H - 1
+    return torch.stack((torch.where(inside, gx, _OUTSIDE), torch.where(inside, gy, _OUTSIDE)), -1), inside
 
 
-def sample(planes: Tensor, grid: Tensor) -> Tensor:
-    """samples [B, D, Q, P] of padded planes at grid (zero outside)."""
-    return F.grid_sample(planes, grid, mode="bilinear", padding_mode="zeros", align_corners=True)
+def sample(planes: Tensor, grid: Tensor, exact: bool) -> Tensor:
+    """samples [B, D, Q, P] of planes at grid (zero outside), both made with the same exact."""
+    return F.grid_sample(planes, grid, mode="bilinear", padding_mode="zeros", align_corners=exact)
 
 
 def sample_backward(grad_samples: Tensor, planes: Tensor, grid: Tensor, H: int, W: int, need_planes: bool,
                     need_points: bool) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
-    """From grad_samples [B, D, Q, P]: (grad of the H × W maps [B, D, H, W] (a view), grad_y, grad_x [B, Q, P] in
-    pixels), None where not needed. A point that does not count gets zero from its unread corners."""
+    """From grad_samples [B, D, Q, P] of exact planes and grid: (grad of the H × W maps [B, D, H, W] (a view), grad_y,
+    grad_x [B, Q, P] in pixels), None where not needed. A point that does not count gets zero from its unread
+    corners."""
     g_planes, g_grid = torch.ops.aten.grid_sampler_2d_backward(grad_samples, planes, grid, 0, 0, True,
                                                               [need_planes, need_points])
     g_maps = g_planes[:, :, :H, :W] if need_planes else None

@@ -22,12 +22,13 @@ from .geometry import DcnGeometry
 from .reference import _chunk, compute_dtype, sampling_coordinates
 
 
-def _setup(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry, ctype: torch.dtype):
-    """A chunk's planes, grid and weights [n·G, 1, Ho·Wo, K] (zero for the points that do not count)."""
+def _setup(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry, ctype: torch.dtype, exact: bool):
+    """A chunk's planes, grid and weights [n·G, 1, Ho·Wo, K] (zero for the points that do not count); exact: for the
+    backward (common/grid.py)."""
     n, G, D, K = input.shape[0], geo.group, geo.group_channels, geo.points
-    planes = grid.padded_planes(input.reshape(n, geo.height, geo.width, G, D).permute(0, 3, 4, 1, 2).to(ctype))
+    planes = grid.planes_of(input.reshape(n, geo.height, geo.width, G, D).permute(0, 3, 4, 1, 2).to(ctype), exact)
     y, x = (c.permute(0, 3, 1, 2, 4).reshape(n * G, -1, K) for c in sampling_coordinates(offset, geo, ctype))
-    points, inside = grid.pixel_grid(y, x, geo.height, geo.width)
+    points, inside = grid.pixel_grid(y, x, geo.height, geo.width, exact)
     m = mask.to(ctype).reshape(n, -1, G, K).transpose(1, 2).reshape(n * G, 1, -1, K)
     return planes, points, inside, torch.where(inside[:, None], m, 0.0)
 
@@ -44,8 +45,8 @@ def dcn_forward(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry) -
     out = input.new_empty(geo.batch, geo.out_h, geo.out_w, geo.channels)
     step = _chunk(geo)
     for s in range(0, geo.batch, step):
-        planes, points, _, m = _setup(input[s:s + step], offset[s:s + step], mask[s:s + step], geo, ctype)
-        out[s:s + step] = _to_nhwc((grid.sample(planes, points) * m).sum(-1), planes.shape[0] // geo.group, geo)
+        planes, points, _, m = _setup(input[s:s + step], offset[s:s + step], mask[s:s + step], geo, ctype, False)
+        out[s:s + step] = _to_nhwc((grid.sample(planes, points, False) * m).sum(-1), planes.shape[0] // geo.group, geo)
     return out
 
 
@@ -63,10 +64,10 @@ def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, 
     for s in range(0, N, step):
         e = min(N, s + step)
         n = e - s
-        planes, points, inside, m = _setup(input[s:e], offset[s:e], mask[s:e], geo, ctype)
+        planes, points, inside, m = _setup(input[s:e], offset[s:e], mask[s:e], geo, ctype, True)
         go = grad_out[s:e].to(ctype).reshape(n, Ho * Wo, G, D).permute(0, 2, 3, 1).reshape(n * G, D, Ho * Wo, 1)
         if need_mask:  # Σ_d go · sample, zero for a point that does not count (its grid point samples nothing)
-            gm = (go * grid.sample(planes, points)).sum(1)
+            gm = (go * grid.sample(planes, points, True)).sum(1)
             g_mask[s:e] = gm.reshape(n, G, Ho, Wo, K).permute(0, 2, 3, 1, 4)
         if need_in or need_off:
             gp, gy, gx = grid.sample_backward(go * m, planes, points, geo.height, geo.width, need_in, need_off)

@@ -20,12 +20,13 @@ from ..common import grid
 from .reference import call_plan
 
 
-def _level(value, loc, attn, level, h, w, start, ctype):
-    """A chunk's planes, grid and weights [n·M, 1, Lq, P] (zero for the points that do not count) at one level."""
+def _level(value, loc, attn, level, h, w, start, ctype, exact):
+    """A chunk's planes, grid and weights [n·M, 1, Lq, P] (zero for the points that do not count) at one level; exact:
+    for the backward (common/grid.py)."""
     n, lq, m, _, p, _ = loc.shape
-    planes = grid.padded_planes(value[:, start:start + h * w].permute(0, 2, 3, 1).unflatten(-1, (h, w)).to(ctype))
+    planes = grid.planes_of(value[:, start:start + h * w].permute(0, 2, 3, 1).unflatten(-1, (h, w)).to(ctype), exact)
     where = loc[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, lq, p, 2)
-    points, inside = grid.pixel_grid(where[..., 1] * h - 0.5, where[..., 0] * w - 0.5, h, w)
+    points, inside = grid.pixel_grid(where[..., 1] * h - 0.5, where[..., 0] * w - 0.5, h, w, exact)
     a = attn[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, 1, lq, p)
     return planes, points, inside, torch.where(inside[:, None], a, 0.0)
 
@@ -40,8 +41,8 @@ def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_in
         acc = None
         for lvl, (h, w, start) in enumerate(levels):
             planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
-                                          start, ctype)
-            term = (grid.sample(planes, points) * a).sum(-1)  # [n·M, D, Lq]
+                                          start, ctype, False)
+            term = (grid.sample(planes, points, False) * a).sum(-1)  # [n·M, D, Lq]
             acc = term if acc is None else acc.add_(term)
         if acc is None:  # no levels: nothing sampled
             out[s:e] = 0
@@ -67,9 +68,9 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
         go = grad_out[s:e].to(ctype).reshape(n, lq, m, d).permute(0, 2, 3, 1).reshape(n * m, d, lq, 1)
         for lvl, (h, w, start) in enumerate(levels):
             planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
-                                          start, ctype)
+                                          start, ctype, True)
             if need_attn:  # Σ_d go · sample, zero for a point that does not count (its grid point samples nothing)
-                ga = (go * grid.sample(planes, points)).sum(1)  # [n·M, Lq, P]
+                ga = (go * grid.sample(planes, points, True)).sum(1)  # [n·M, Lq, P]
                 g_attn[s:e, :, :, lvl] = ga.reshape(n, m, lq, p).transpose(1, 2)
             if need_v or need_loc:
                 gp, gy, gx = grid.sample_backward(go * a, planes, points, h, w, need_v, need_loc)
