@@ -110,6 +110,10 @@ def _child() -> dict:
     results["input-grad-only"] = _trace("odd-s2", "float16", needs=[True, False, False, False, False])
     results["symbolic"] = _trace("groups-og4", "float16", tracing_mode="symbolic")
     results["export"] = _trace("groups-og4", "float16", keep_whole=True)
+    from deformconv.config import options
+
+    with options.override(columns_grad_weight=True):
+        results["columns"] = _trace("odd-s2", "bfloat16")
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
     results["switched-off"] = _trace("groups-og4", "float16")
     return results
@@ -154,6 +158,16 @@ def test_no_kernel_writes_an_input_of_the_graph(traces, dtype):
     for name in SHAPES:
         for launch in traces[f"{name}:{dtype}"]["stores"]:
             assert not launch["writes_inputs"], launch
+
+
+def test_grad_weight_through_the_column_buffer_traces(traces):
+    """options.columns_grad_weight under the compile route: the column kernel launched from the graph (through
+    wrap_triton) and the product an aten op of it, instead of the grad_weight kernel; outputs as promised."""
+    t = traces["columns"]
+    assert "_columns_kernel" in t["launched"] and "_deform_conv2d_bwd_weight_kernel" not in t["launched"], t["launched"]
+    assert not t["opaque"], t["opaque"]
+    assert t["traced"] == t["promised"]
+    assert not any(launch["writes_inputs"] for launch in t["stores"]), t["stores"]
 
 
 def test_only_the_gradients_asked_for_are_computed(traces):

@@ -107,17 +107,18 @@ def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional
     kk, cin, cout = geo.kernel_h * geo.kernel_w, geo.in_channels, geo.out_channels
     m = n * geo.out_h * geo.out_w
     go_rows = go.permute(0, 2, 3, 1).reshape(m, cout)  # a view of a channels-last grad_out
-    rows = min(columns_rows(geo, n, x.element_size(), budget), ceil_div(m, BLOCK_M) * BLOCK_M)
+    if m == 0:  # no positions
+        return torch.zeros((1, 1, kk, cin, cout), dtype=torch.float32, device=x.device)
+    rows = min(columns_rows(geo, n, x.element_size(), budget), m)  # whole M tiles, or the chunk's positions exactly
     cols = torch.empty((rows, kk * cin), dtype=x.dtype, device=x.device)
     gw: Optional[Tensor] = None
     for m0 in range(0, m, rows):
         r = min(rows, m - m0)
         tensors = (x, off, msk if msk is not None else off, cols)
         _launch(geo, n, m, m0, r, x.dtype, msk is not None, grouped, alignments(tensors))(*tensors)
-        part = mm_fp32(cols[:r].t(), go_rows[m0:m0 + r])
+        whole = r == m  # one buffer: no slices (each costs host time, and views of traced tensors more)
+        part = mm_fp32((cols if whole else cols[:r]).t(), go_rows if whole else go_rows[m0:m0 + r])
         gw = part if gw is None else gw.add_(part)
-    if gw is None:  # no positions
-        gw = torch.zeros((kk * cin, cout), dtype=torch.float32, device=x.device)
     return gw.view(1, 1, kk, cin, cout)
 
 
