@@ -159,10 +159,14 @@ def launch_hooks_set() -> bool:
     return (enter is not None and bool(getattr(enter, "calls", True))) or (
         leave is not None and bool(getattr(leave, "calls", True)))
 
+
+# --- torch's matrix products ------------------------------------------------------------------------------
+
+
 def mm_fp32(a, b):
-    """a @ b summed and returned in fp32 from 16-bit (or fp32) operands: torch.mm's out_dtype where this torch has it
-    for the device (CUDA, torch >= 2.8), else the operands upcast first (CPU tensors under the interpreter, older
-    torch): the same sums, more memory traffic."""
+    """a @ b summed and returned in fp32 from 16-bit (or fp32) operands: torch.mm's out_dtype on CUDA where this torch
+    has it (aten::mm.dtype), else the operands upcast first (CPU tensors under the interpreter, older torch): the same
+    sums, more memory traffic."""
     import torch
 
     if a.dtype != torch.float32 and a.is_cuda and _MM_OUT_DTYPE:

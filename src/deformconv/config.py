@@ -146,7 +146,7 @@ class Options:
     fused_prep: bool = True              # the forward's weight pack and input copy in one launch
     paired_transposes: bool = True       # the backward's two layout copies in one launch
     direct_grad_weight: bool = True      # grad_weight stored by its kernel where one split makes it final
-    columns_grad_weight: bool = False    # grad_weight through a column buffer and cuBLAS (columns.py; untimed: off)
+    columns_grad_weight: bool = False    # grad_weight through a column buffer and cuBLAS (columns.py; docs/tuning.md)
     layout_kernels_on_cpu: bool = False  # the layout kernels under the interpreter too (else torch's copies)
     # tuning constants of the backward's schedule (configs.py and schedule.py say why)
     default_workspace_budget: float = 1.5
