@@ -56,6 +56,7 @@ def test_info_prints_versions_and_backend_table(capsys, monkeypatch):
     assert "torch" in text and "deformconv" in text
     assert "cpu      float64    cpu        " in text and "reference: can run too (backend='reference')" in text
     assert "DEFORMCONV_FAST_LAUNCH=0: `0`: every kernel launch goes through Triton's JIT call path" in text
+    assert "cpu      bfloat16   cpu                      reference" in text  # the other ops' backends
 
 
 def test_bench_cpu_prints_table_and_writes_json(tmp_path, capsys):

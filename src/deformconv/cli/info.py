@@ -1,5 +1,5 @@
 """Versions, devices, and which backend each dtype would use on each device (with the reasons when a
-backend cannot run)."""
+backend cannot run), deform_conv2d's and the other ops'."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import deformconv
-    from deformconv.backends import not_supported_reasons, select_backend, triton_interpret_mode
+    from deformconv.backends import (ROI_BACKENDS, not_supported_reasons, select_backend, select_op_backend,
+                                     triton_interpret_mode)
     import os
 
     print(f"deformconv  {deformconv.__version__}")
@@ -57,4 +58,10 @@ def run(args: argparse.Namespace) -> int:
             why = "; ".join(f"{b}: {', '.join(r) if r else 'can run too (backend=' + repr(b) + ')'}"
                             for b, r in reasons.items() if b != chosen)
             print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {chosen:<10} {why}")
+    print()
+    print(f"{'device':<8} {'dtype':<10} {'DCNv3/DCNv4, attention':<24} RoI pooling")
+    for d in devices:
+        for dt in DTYPES:
+            print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {select_op_backend(d, dt, ''):<24} "
+                  f"{select_op_backend(d, dt, '', ROI_BACKENDS)}")
     return 0
