@@ -112,6 +112,19 @@ def test_empty_queries_and_batch():
         assert v.grad.shape == v.shape and not v.grad.any()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_no_levels_sample_nothing(backend):
+    """Zero levels: the output is zero and every gradient has its (empty or zero) shape."""
+    v = torch.randn(2, 0, 2, 3, dtype=torch.float64, requires_grad=True)
+    loc = torch.rand(2, 5, 2, 0, 2, 2, dtype=torch.float64, requires_grad=True)
+    attn = torch.rand(2, 5, 2, 0, 2, dtype=torch.float64, requires_grad=True)
+    shapes, starts = torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, dtype=torch.int64)
+    out = deformconv.ms_deform_attn(v, shapes, starts, loc, attn, backend=backend)
+    assert out.shape == (2, 5, 6) and not out.any()
+    out.sum().backward()
+    assert v.grad.shape == v.shape and loc.grad.shape == loc.shape and attn.grad.shape == attn.shape
+
+
 @requires_interpreter
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])

@@ -22,13 +22,14 @@ the forward (exact=False) samples the maps as they are, without the padded copy.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 _OUTSIDE = -3.0  # normalised coordinate of a point that does not count: all four corners far outside
+Sizes = Union[int, Sequence[int]]
 
 
 def _padded(size: int) -> int:
@@ -41,7 +42,7 @@ def planes_of(maps: Tensor, exact: bool) -> Tensor:
     contiguous copy, zero-padded to [B, D, H', W'] (H' = 2^k + 1 >= H, likewise W') if exact. One copy either way."""
     *lead, d, h, w = maps.shape
     if not exact:
-        return maps.reshape(-1, d, h, w).contiguous()
+        return maps.reshape(-1, d, h, w)
     planes = maps.new_empty(*lead, d, _padded(h), _padded(w))
     planes[..., :h, :w] = maps
     planes[..., h:, :] = 0  # the padding only: the maps' own pixels are written once
@@ -49,15 +50,24 @@ def planes_of(maps: Tensor, exact: bool) -> Tensor:
     return planes.view(-1, d, planes.shape[-2], planes.shape[-1])
 
 
-def pixel_grid(y: Tensor, x: Tensor, H: int, W: int, exact: bool) -> Tuple[Tensor, Tensor]:
+def pixel_grid(y: Tensor, x: Tensor, H: Sizes, W: Sizes, exact: bool) -> Tuple[Tensor, Tensor]:
     """(grid, inside): grid_sample's grid for pixel points (y, x) of an H × W image (for planes_of(..., exact)), and
-    which of them count."""
-    inside = (y > -1) & (y < H) & (x > -1) & (x < W)
-    if exact:  # pixel · 2 / 2^k − 1: exact
-        gx, gy = x * (2.0 / (_padded(W) - 1)) - 1, y * (2.0 / (_padded(H) - 1)) - 1
-    else:      # align_corners=False: (2 · pixel + 1) / size − 1
-        gx, gy = (2 * x + 1) / W - 1, (2 * y + 1) / H - 1
+    which of them count. H and W may be lists, one size per level: then y and x are [..., L, Q, P], level by level."""
+    (sy, oy, hy), (sx, ox, wx) = _axis(H, exact, y), _axis(W, exact, x)
+    inside = (y > -1) & (y < hy) & (x > -1) & (x < wx)
+    gx, gy = x * sx + ox, y * sy + oy
     return torch.stack((torch.where(inside, gx, _OUTSIDE), torch.where(inside, gy, _OUTSIDE)), -1), inside
+
+
+def _axis(sizes: Sizes, exact: bool, like: Tensor):
+    """(scale, shift, size) of one axis, grid = pixel · scale + shift: exact, pixel · 2 / 2^k − 1 (no rounding);
+    else align_corners=False's (2 · pixel + 1) / size − 1. Python numbers for one size, [L, 1, 1] tensors for a list."""
+    def one(size: int):
+        return (2.0 / (_padded(size) - 1), -1.0, size) if exact else (2.0 / size, 1.0 / size - 1.0, size)
+    if isinstance(sizes, int):
+        return one(sizes)
+    columns = list(zip(*[one(size) for size in sizes]))
+    return tuple(torch.tensor(c, dtype=like.dtype, device=like.device).view(-1, 1, 1) for c in columns)
 
 
 def sample(planes: Tensor, grid: Tensor, exact: bool) -> Tensor:

@@ -20,34 +20,40 @@ from ..common import grid
 from .reference import call_plan
 
 
-def _level(value, loc, attn, level, h, w, start, ctype, exact):
-    """A chunk's planes, grid and weights [n·M, 1, Lq, P] (zero for the points that do not count) at one level; exact:
-    for the backward (common/grid.py)."""
-    n, lq, m, _, p, _ = loc.shape
-    planes = grid.planes_of(value[:, start:start + h * w].permute(0, 2, 3, 1).unflatten(-1, (h, w)).to(ctype), exact)
-    where = loc[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, lq, p, 2)
-    points, inside = grid.pixel_grid(where[..., 1] * h - 0.5, where[..., 0] * w - 0.5, h, w, exact)
-    a = attn[:, :, :, level].to(ctype).transpose(1, 2).reshape(n * m, 1, lq, p)
-    return planes, points, inside, torch.where(inside[:, None], a, 0.0)
+def _points(loc: Tensor, attn: Tensor, levels, ctype: torch.dtype, exact: bool) -> Tuple[Tensor, Tensor]:
+    """Every level's grid [n·M, L, Lq, P, 2] and weights [n·M, 1, L, Lq, P] (zero for the points that do not count;
+    level-major, so that a level's are contiguous), for a chunk of images; exact: for the backward (common/grid.py)."""
+    n, lq, m, nl, p, _ = loc.shape
+    where = loc.to(ctype).permute(0, 2, 3, 1, 4, 5).reshape(n * m, nl, lq, p, 2)
+    hs, ws = [h for h, _, _ in levels], [w for _, w, _ in levels]
+    per_level = [torch.tensor(v, dtype=ctype, device=loc.device).view(-1, 1, 1) for v in (hs, ws)]  # [L, 1, 1]
+    points, inside = grid.pixel_grid(where[..., 1] * per_level[0] - 0.5, where[..., 0] * per_level[1] - 0.5, hs, ws,
+                                     exact)
+    a = attn.to(ctype).permute(0, 2, 3, 1, 4).reshape(n * m, 1, nl, lq, p)
+    return points, torch.where(inside[:, None], a, 0.0)
+
+
+def _planes(value: Tensor, h: int, w: int, start: int, ctype: torch.dtype, exact: bool) -> Tensor:
+    """A level's value maps of a chunk of images as grid_sample's planes [n·M, D, H, W] (padded if exact)."""
+    return grid.planes_of(value[:, start:start + h * w].permute(0, 2, 3, 1).unflatten(-1, (h, w)).to(ctype), exact)
 
 
 def ms_deform_attn_forward(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
                            sampling_locations: Tensor, attention_weights: Tensor) -> Tensor:
     """out [N, Lq, M·D] in value's dtype."""
     ctype, n_all, lq, m, d, levels, step = call_plan(value, spatial_shapes, level_start_index, sampling_locations)
+    if not levels:  # nothing sampled
+        return value.new_zeros(n_all, lq, m * d)
     out = value.new_empty(n_all, lq, m * d)
     for s in range(0, n_all, step):
         e = min(n_all, s + step)
+        points, a = _points(sampling_locations[s:e], attention_weights[s:e], levels, ctype, False)
         acc = None
         for lvl, (h, w, start) in enumerate(levels):
-            planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
-                                          start, ctype, False)
-            term = (grid.sample(planes, points, False) * a).sum(-1)  # [n·M, D, Lq]
+            samples = grid.sample(_planes(value[s:e], h, w, start, ctype, False), points[:, lvl], False)
+            term = (samples * a[:, :, lvl]).sum(-1)  # [n·M, D, Lq]
             acc = term if acc is None else acc.add_(term)
-        if acc is None:  # no levels: nothing sampled
-            out[s:e] = 0
-        else:
-            out[s:e] = acc.reshape(e - s, m, d, lq).permute(0, 3, 1, 2).reshape(e - s, lq, m * d)
+        out[s:e] = acc.reshape(e - s, m, d, lq).permute(0, 3, 1, 2).reshape(e - s, lq, m * d)
     return out
 
 
@@ -62,21 +68,26 @@ def ms_deform_attn_backward(grad_out: Tensor, value: Tensor, spatial_shapes: Ten
     g_v = torch.zeros_like(value) if need_v else None  # zero: pixels past the last level get nothing
     g_loc = sampling_locations.new_empty(sampling_locations.shape) if need_loc else None
     g_attn = attention_weights.new_empty(attention_weights.shape) if need_attn else None
+    if not levels:  # nothing sampled: the location and weight gradients have no elements
+        return g_v, g_loc, g_attn
     for s in range(0, n_all, step):
         e = min(n_all, s + step)
         n = e - s
         go = grad_out[s:e].to(ctype).reshape(n, lq, m, d).permute(0, 2, 3, 1).reshape(n * m, d, lq, 1)
+        points, a = _points(sampling_locations[s:e], attention_weights[s:e], levels, ctype, True)
+        g_a, g_xy = [], []  # each level's [n·M, Lq, P] and [n·M, Lq, P, 2]
         for lvl, (h, w, start) in enumerate(levels):
-            planes, points, _, a = _level(value[s:e], sampling_locations[s:e], attention_weights[s:e], lvl, h, w,
-                                          start, ctype, True)
+            planes, where = _planes(value[s:e], h, w, start, ctype, True), points[:, lvl]
             if need_attn:  # Σ_d go · sample, zero for a point that does not count (its grid point samples nothing)
-                ga = (go * grid.sample(planes, points, True)).sum(1)  # [n·M, Lq, P]
-                g_attn[s:e, :, :, lvl] = ga.reshape(n, m, lq, p).transpose(1, 2)
+                g_a.append((go * grid.sample(planes, where, True)).sum(1))
             if need_v or need_loc:
-                gp, gy, gx = grid.sample_backward(go * a, planes, points, h, w, need_v, need_loc)
+                gp, gy, gx = grid.sample_backward(go * a[:, :, lvl], planes, where, h, w, need_v, need_loc)
                 if need_v:
                     g_v[s:e, start:start + h * w] += gp.reshape(n, m, d, h * w).permute(0, 3, 1, 2)
                 if need_loc:  # pixel = location · size − 0.5
-                    g = torch.stack((gx * w, gy * h), -1)  # [n·M, Lq, P, (x, y)]
-                    g_loc[s:e, :, :, lvl] = g.reshape(n, m, lq, p, 2).transpose(1, 2)
+                    g_xy.append(torch.stack((gx * w, gy * h), -1))
+        if need_attn:
+            g_attn[s:e] = torch.stack(g_a, 2).reshape(n, m, lq, len(levels), p).transpose(1, 2)
+        if need_loc:
+            g_loc[s:e] = torch.stack(g_xy, 2).reshape(n, m, lq, len(levels), p, 2).transpose(1, 2)
     return g_v, g_loc, g_attn
