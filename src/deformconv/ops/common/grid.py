@@ -39,7 +39,8 @@ def _padded(size: int) -> int:
 
 def planes_of(maps: Tensor, exact: bool) -> Tensor:
     """The maps [..., D, H, W] (any strides; the leading dims flattened into B) as grid_sample's input [B, D, H, W]: a
-    contiguous copy, zero-padded to [B, D, H', W'] (H' = 2^k + 1 >= H, likewise W') if exact. One copy either way."""
+    view where the leading dims merge (one image), else a copy; if exact, a copy zero-padded to [B, D, H', W']
+    (H' = 2^k + 1 >= H, likewise W')."""
     *lead, d, h, w = maps.shape
     if not exact:
         return maps.reshape(-1, d, h, w)
