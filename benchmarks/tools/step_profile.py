@@ -74,7 +74,13 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--columns-grad-weight", action="store_true", help="grad_weight through the column buffer "
+                    "(options.columns_grad_weight)")
     args = ap.parse_args(argv)
+    if args.columns_grad_weight:
+        from deformconv.config import options
+
+        options.columns_grad_weight = True
     base = resnet50_base()
     case, dt = args.case.split(":")
     for mode in args.modes:
