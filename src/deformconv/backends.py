@@ -157,8 +157,7 @@ class TritonBackend(Backend):
         from .ops.deform_conv2d.backward import deform_conv2d_backward
 
         with _on_device_of(input):
-            if not keep:
-                return deform_conv2d_backward(grad_out, input, *args)
+            keep = keep or {}  # None where the forward kept nothing
             return deform_conv2d_backward(grad_out, input, *args, packed_weight=keep.get("packed_weight"),
                                           operands=(keep.get("offset"), keep.get("mask")))
 
