@@ -169,11 +169,13 @@ FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups
                    "bias-only", "groups2-bias75-several-steps"]
 
 
-def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
+def check_finish_grads(device, dtype, groups, split_w, split_b, layout, input_dtype=None):
     """finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
     (inverse of pack_weight) and cast: bitwise the sequential fp32 sum rounded to dtype. grad_bias is its partials'
     sum (32 rows a step: hundreds of partials where a transpose made them), cast: the float64 sum's within fp32
-    rounding and dtype's, the same bits on a second call. Every element written (the outputs come from NaN-filled allocations)."""
+    rounding and dtype's, the same bits on a second call. Every element written (the outputs come from NaN-filled allocations).
+    With an input_dtype other than dtype (a float32 weight used in a 16-bit dtype), both are those sums rounded to
+    input_dtype, in dtype."""
     from deformconv.ops.deform_conv2d import backward_weight as kernels
 
     cout, cin_g, kh, kw = 6 * groups, 5, 3, 2
@@ -206,3 +208,10 @@ def check_finish_grads(device, dtype, groups, split_w, split_b, layout):
         # rounding to dtype (eps relative), plus the fp32 sum's own error (|partials| < 6 here: 1e-6 a term)
         torch.testing.assert_close(gb.double(), pb.double().sum(0), atol=1e-6 * split_b, rtol=torch.finfo(dtype).eps)
         assert torch.equal(kernels.finish_grads(weight, pw, pb)[1], gb)
+    if input_dtype is not None and input_dtype != dtype:
+        with nan_filled_empty():
+            rw, rb = kernels.finish_grads(weight, pw, pb, input_dtype)
+        for r, plain in ((rw, gw), (rb, gb)):
+            if plain is not None:
+                assert r.dtype == dtype and torch.equal(r, plain.to(input_dtype).to(dtype))
+                assert not torch.equal(r, plain)  # the rounding happened (fp32 sums of randn: not all 16-bit values)

@@ -1007,12 +1007,13 @@ def test_bias_gradient_alone(backend, dtype, layout):
 
 
 @pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype,input_dtype", [(torch.float32, None), (torch.float16, None),
+                                               (torch.float32, torch.float16)], ids=["fp32", "fp16", "fp32-fp16-input"])
 @pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)
-def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
+def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype, input_dtype):
     """finish_grads on the CPU (interpreter): see conftest.check_finish_grads. bf16 on the GPU only: the
     interpreter's fp32 -> bf16 cast rounds otherwise than torch's (1 ulp apart in 40% of elements, measured)."""
-    check_finish_grads("cpu", dtype, *case)
+    check_finish_grads("cpu", dtype, *case, input_dtype=input_dtype)
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)

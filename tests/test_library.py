@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import deformconv
-from conftest import HAS_CUDA, make_case, requires_cuda
+from conftest import HAS_CUDA, make_case, requires_cuda, requires_interpreter
 
 
 def _op_args(backend="reference", dtype=torch.float64, mask="random", seed=0, device="cpu"):
@@ -182,6 +182,42 @@ def test_autocast_takes_the_fast_path_with_the_op_results(device, dtype, weight_
         torch.use_deterministic_algorithms(False)
     assert fast[0].dtype == dtype and fast[1].dtype == torch.float32 and fast[3].dtype == weight_dtype
     for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"], fast, op):
+        assert a.dtype == b.dtype, name
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("device,dtype", [pytest.param("cpu", torch.float16, marks=requires_interpreter),
+                                          pytest.param("cuda", torch.bfloat16, marks=requires_cuda)])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
+def test_autocast_on_the_kernels_keeps_a_float32_weight_uncast(device, dtype, bias):
+    """Under autocast on the Triton kernels the eager path leaves a float32 weight and bias as they are (no cast
+    kernels or autograd nodes: they accumulate their gradients directly), and still gives the op's results bit for
+    bit: the kernels use them in the autocast dtype and round their gradients as the cast's backward would."""
+    def run(fn):
+        g = torch.Generator().manual_seed(5)
+        x, off = torch.randn(2, 6, 7, 9, generator=g), torch.randn(2, 18, 7, 9, generator=g)
+        m, w = torch.rand(2, 9, 7, 9, generator=g), torch.randn(8, 6, 3, 3, generator=g) * 0.3
+        b = torch.randn(8, generator=g) if bias else None
+        leaves = [t if t is None else t.to(device).requires_grad_(True) for t in (x, off, w, b, m)]
+        with torch.autocast(device, dtype=dtype):
+            out = fn(*leaves)
+        out.float().square().sum().backward()
+        return out, [out] + [t.grad for t in leaves if t is not None]
+
+    torch.use_deterministic_algorithms(device == "cuda")  # grad_input's float atomics add in any order on a GPU
+    try:
+        out, fast = run(lambda x, o, w, b, m: deformconv.deform_conv2d(x, o, w, b, padding=1, mask=m, backend="triton"))
+        _, op = run(lambda x, o, w, b, m: torch.ops.deformconv.deform_conv2d(x, o, w, b, m, [1, 1], [1, 1], [1, 1],
+                                                                             "triton"))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert type(out.grad_fn).__name__ == "DeformConv2dFunctionBackward"
+    nodes = [type(f).__name__ for f, _ in out.grad_fn.next_functions]
+    # (input, offset, weight[, bias], mask): the float32 inputs are cast (ToCopy), the weight and bias are not
+    assert nodes == ["ToCopyBackward0", "ToCopyBackward0"] + ["AccumulateGrad"] * (1 + bias) + ["ToCopyBackward0"], nodes
+    assert out.dtype == dtype
+    for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"] if bias else
+                          ["out", "input", "offset", "weight", "mask"], fast, op):
         assert a.dtype == b.dtype, name
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 

@@ -12,7 +12,7 @@ from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
 from .eager import DeformConv2dFunction, fast_path_ok, forward_without_grad, needs_grad
-from .library import autocast_inputs
+from .library import _backend_for, autocast_inputs
 
 
 def _autocasting(input) -> bool:
@@ -22,6 +22,18 @@ def _autocasting(input) -> bool:
         return torch.is_autocast_enabled(input.device.type)
     except RuntimeError:  # a device type autocast does not know (meta, ...)
         return False
+
+
+def _autocast(tensors: List[Optional[Tensor]], device_type: str, backend: Optional[str]) -> List[Optional[Tensor]]:
+    """The cast the op's autocast rule makes (library.py), done for the eager fast path; but where the Triton kernels
+    run, a float32 weight and bias stay float32: the kernels use them in the autocast dtype and return that cast's
+    gradients bit for bit (ops/deform_conv2d/backward_weight.py), without the casts' kernels and autograd nodes."""
+    cast = autocast_inputs(tensors, device_type, keep=(2, 3))
+    weight, bias = tensors[2], tensors[3]
+    if not (weight.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)
+            and _backend_for(cast[0], backend or "").name == "triton"):
+        cast[2:4] = autocast_inputs(tensors[2:4], device_type)
+    return cast
 
 
 def deform_conv2d(
@@ -91,8 +103,8 @@ def deform_conv2d(
     if backend is not None:
         get_backend(backend)  # unknown names fail here, with the list of known ones
     tensors = [input, offset, weight, bias, mask]
-    if autocasting:  # the cast the op's autocast rule makes (library.py), done here for the eager fast path
-        tensors = autocast_inputs(tensors, input.device.type)
+    if autocasting:
+        tensors = _autocast(tensors, input.device.type, backend)
     args = (*tensors, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
     if fast_path_ok(tensors):  # plain eager: the same impls, without the dispatcher
         return DeformConv2dFunction.apply(*args) if needs_grad(tensors) else forward_without_grad(args)

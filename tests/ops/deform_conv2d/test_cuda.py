@@ -583,8 +583,9 @@ def test_backward_workspace_at_most_twice_the_input(layout, monkeypatch, forced)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("case", FINISH_CASES, ids=FINISH_CASE_IDS)
 def test_finish_grads_sums_partials_in_order_and_unpacks(case, dtype):
-    """The backward's finishing launch on the GPU, bf16 included: see conftest.check_finish_grads."""
-    check_finish_grads("cuda", dtype, *case)
+    """The backward's finishing launch on the GPU, bf16 included (and a float32 weight used in bf16): see
+    conftest.check_finish_grads."""
+    check_finish_grads("cuda", dtype, *case, input_dtype=torch.bfloat16 if dtype == torch.float32 else None)
 
 
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])

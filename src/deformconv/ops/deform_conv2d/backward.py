@@ -114,7 +114,7 @@ def deform_conv2d_backward(
     if need_b and pb is None:
         pb = channel_sum(grad_out)
     if pw is not None or pb is not None:
-        fw, grad_b = finish_grads(weight, pw, pb)
+        fw, grad_b = finish_grads(weight, pw, pb, input.dtype)
         grad_w = fw if pw is not None else grad_w
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 

@@ -5,6 +5,11 @@
 Split over M: program (row, n, s) sums the M tiles s, s+SPLIT, ...; the SPLIT partial sums are added in a fixed
 order by ``_finish_grads_kernel`` (which also unpacks them to the weight's layout and dtype), or, where one split
 makes the sum final, the kernel stores grad_weight itself (schedule.direct_grad_weight).
+
+A weight of a wider dtype than the input's (float32 beside float16/bfloat16: the eager path under autocast keeps it
+so, functional.py) is used in the input's dtype, cast as it is packed; its gradient, and the bias's, are that cast's
+gradient: the fp32 sums rounded to the input's dtype, then stored in the weight's (ROUND, grad_rounding). The result is
+bit for bit that of casting the weight first, without the cast's two autograd nodes and kernels a call.
 """
 
 from __future__ import annotations
@@ -29,6 +34,17 @@ from .tiles import (chunk_sample_points, grad_out_descriptor, grad_out_tile, gra
                     tile_positions)
 
 # --- kernels -------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _rounded(acc, ROUND: tl.constexpr):
+    """acc rounded to the 16-bit dtype the gradient is computed in (ROUND, grad_rounding: 0 none, 1 float16,
+    2 bfloat16), still in fp32."""
+    if ROUND == 1:
+        acc = acc.to(tl.float16).to(tl.float32)
+    elif ROUND == 2:
+        acc = acc.to(tl.bfloat16).to(tl.float32)
+    return acc
 
 
 @triton.jit
@@ -86,6 +102,7 @@ def _deform_conv2d_bwd_weight_kernel(
     TMA: tl.constexpr,            # grad_out tiles through the descriptor go_ptr
     FMA_BLEND: tl.constexpr, PAIRS_OUTER: tl.constexpr,  # codegen spellings (compat.CodegenProfile)
     NEED_BIAS: tl.constexpr,      # GROUPS more rows of programs (the first) sum grad_out's channels for grad_bias
+    ROUND: tl.constexpr,          # grad_weight itself (SPLIT 1) rounded first (_rounded); 0 for partial sums
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """grad_Wp[gc, k, n] = sum_m A[m, k] * grad_out[m, gc*Cout_g + n], A re-sampled as in the forward; with
@@ -167,7 +184,7 @@ def _deform_conv2d_bwd_weight_kernel(
     rows = (gc.to(tl.int64) * gw_sg + (tap // KW) * gw_sh + (tap % KW) * gw_sw
             + (s * SEG + offs_k).to(tl.int64) * gw_si)
     dst = gw_ptr + pid_s.to(tl.int64) * gw_ss + rows[:, None] + offs_n.to(tl.int64)[None, :] * gw_so
-    tl.store(dst, acc.to(gw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
+    tl.store(dst, _rounded(acc, ROUND).to(gw_ptr.dtype.element_ty), mask=k_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -179,6 +196,7 @@ def _finish_grads_kernel(
     NUMEL_W, CIN_G, COUT_G, COUT, SPLIT_W, SPLIT_B,
     gw_so, gw_si, gw_sh, gw_sw,   # grad_weight's strides in elements: output channel, input channel, tap row, column
     KH: tl.constexpr, KW: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    ROUND: tl.constexpr,          # both sums rounded first (_rounded)
     BLOCK: tl.constexpr,          # grad_weight elements a program
     BLOCK_C: tl.constexpr,        # grad_bias channels a program
     ROWS: tl.constexpr,           # grad_bias partials summed a step (hundreds of them where a transpose made them)
@@ -204,7 +222,7 @@ def _finish_grads_kernel(
             tap = r % (KH * KW)
             gc = r // (KH * KW)
             dst = (gc * COUT_G + o) * gw_so + i * gw_si + (tap // KW) * gw_sh + (tap % KW) * gw_sw
-            tl.store(gw_ptr + dst, acc.to(gw_ptr.dtype.element_ty), mask=ok)
+            tl.store(gw_ptr + dst, _rounded(acc, ROUND).to(gw_ptr.dtype.element_ty), mask=ok)
         pid -= w_blocks
     if HAS_B:
         if pid >= 0:
@@ -217,7 +235,7 @@ def _finish_grads_kernel(
                 part = tl.load(pb_ptr + rows.to(tl.int64)[:, None] * COUT + offs_c[None, :],
                                mask=(rows < SPLIT_B)[:, None] & c_ok[None, :], other=0.0)
                 acc += tl.sum(part, axis=0)
-            tl.store(gb_ptr + offs_c, acc.to(gb_ptr.dtype.element_ty), mask=c_ok)
+            tl.store(gb_ptr + offs_c, _rounded(acc, ROUND).to(gb_ptr.dtype.element_ty), mask=c_ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -228,12 +246,24 @@ def grad_weight_like(weight: Tensor) -> Tensor:
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=suggest_memory_format(weight))
 
 
-def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+def grad_rounding(weight_dtype: torch.dtype, input_dtype: torch.dtype) -> int:
+    """_rounded's ROUND for the gradient of a weight of weight_dtype used in input_dtype: the input's 16-bit dtype
+    where the weight's differs (a wider one, which the kernels cast), else 0."""
+    return 0 if weight_dtype == input_dtype else _ROUND_CODES.get(input_dtype, 0)
+
+
+_ROUND_CODES = {torch.float16: 1, torch.bfloat16: 2}
+
+
+def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
+                 input_dtype: Optional[torch.dtype] = None) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """(grad_weight, grad_bias) in the weight's dtype (grad_weight in its memory format) from fp32 partial sums, in one
     launch: pw [split, groups, kh*kw, Cin_g, Cout_g] (pack_weight's layout), pb [splits, Cout]; None for a missing
     one (and None returned for it). The partials' fixed-order sums, the inverse of pack_weight and the casts, in one
-    pass instead of up to five operations."""
+    pass instead of up to five operations. input_dtype (default: the weight's): rounded to it first where it differs
+    (grad_rounding)."""
     cout, cin_g, kh, kw = weight.shape
+    rounding = grad_rounding(weight.dtype, weight.dtype if input_dtype is None else input_dtype)
     gw = grad_weight_like(weight) if pw is not None else None
     gb = torch.empty((cout,), dtype=weight.dtype, device=weight.device) if pb is not None else None
     numel = weight.numel()
@@ -246,7 +276,7 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) -> 
     pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
                 pb if pb is not None else fallback, gb if gb is not None else fallback)
     key = (weight.device, weight.dtype, weight.shape, strides, split_w, split_b, pw is not None, pb is not None,
-           alignments(pointers))
+           rounding, alignments(pointers))
     cache = options.cache("finishes")
     run = cache.get(key)
     if run is None:
@@ -257,8 +287,8 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor]) -> 
         run = remember(cache, key, Launch(
             _finish_grads_kernel, (w_blocks + b_blocks,),
             (numel, cin_g, cout_g, cout, split_w, split_b, *strides),
-            dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, BLOCK=block, BLOCK_C=block_c, ROWS=32,
-                 num_warps=4)))
+            dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, ROUND=rounding, BLOCK=block,
+                 BLOCK_C=block_c, ROWS=32, num_warps=4)))
     run(*pointers)
     return gw, gb
 
@@ -310,7 +340,7 @@ def launch_grad_weight(geo: ConvGeometry, seg: int, args: tuple, meta: dict, cfg
     tma = grad_out_tma_ok(go, geo, cfg.block_n) and tma_launch(cfg, x.dtype, True, [(go, geo.out_channels)])
     profile = codegen_profile()
     weight_meta = dict(meta, NSEG=nseg, EVEN_K=k_chunks_whole(geo, seg, cfg.block_k, "bwd_weight"), TMA=tma,
-                       NEED_BIAS=fuse, PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg),
+                       NEED_BIAS=fuse, ROUND=grad_rounding(gw.dtype, x.dtype) if gw.dim() == 4 else 0, PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg),
                        FMA_BLEND=profile.explicit_fma_blend, PAIRS_OUTER=profile.pair_axis_outer,
                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
     run = Launch(_deform_conv2d_bwd_weight_kernel, grid,

@@ -175,7 +175,8 @@ def _deform_conv2d_fwd_kernel(
     # --- epilogue: bias, store in the output's layout ---
     co = gc * COUT_G + offs_n
     if HAS_BIAS:
-        acc += tl.load(b_ptr + co, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        # in the output's (the input's) dtype, as the weight is used: a wider bias rounded (backward_weight.py)
+        acc += tl.load(b_ptr + co, mask=n_ok, other=0.0).to(out_ptr.dtype.element_ty).to(tl.float32)[None, :]
     val = acc.to(out_ptr.dtype.element_ty)
     cols = (co.to(tl.int64) * out_sc)[None, :]
     if RUN_STORE > 0:

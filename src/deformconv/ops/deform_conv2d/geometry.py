@@ -138,8 +138,9 @@ def tuning_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has
 def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding,
              dilation, pointers: Sequence[Tensor], *extra) -> tuple:
     """A launch plan's cache key: everything its geometry, configs and kernel specialisations depend on. Triton
-    specialises a kernel on each pointer's 16-byte alignment, so that is part of it."""
+    specialises a kernel on each pointer's dtype and 16-byte alignment, so those are part of it (the weight's dtype
+    too: the grad_weight kernel can store into a tensor of it)."""
     aligned = alignments(pointers)
-    return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape,
+    return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape, weight.dtype,
             mask is None, tuple(stride), tuple(padding), tuple(dilation), torch.backends.cudnn.allow_tf32,
-            config.autotune(), aligned, *extra)
+            config.autotune(), aligned, tuple([t.dtype for t in pointers]), *extra)
