@@ -537,7 +537,7 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
     real_sum, real_finish = kernels.backward.channel_sum, kernels.backward.finish_grads
     monkeypatch.setattr(kernels.backward, "channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
     monkeypatch.setattr(kernels.backward, "finish_grads",
-                        lambda w, pw, pb: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb))
+                        lambda w, pw, pb, *a: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb, *a))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     leaves64 = _with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
@@ -597,7 +597,7 @@ def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, dire
     finishes = []
     real_finish = kernels.backward.finish_grads
     monkeypatch.setattr(kernels.backward, "finish_grads",
-                        lambda w, pw, pb: finishes.append(pw is not None) or real_finish(w, pw, pb))
+                        lambda w, pw, pb, *a: finishes.append(pw is not None) or real_finish(w, pw, pb, *a))
     config = "groups2-og4-packed-tail"
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
     leaves64 = _with_grad(args, kwargs, torch.float64)
