@@ -20,6 +20,15 @@ requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0"
                                           reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests skipped by requires_cuda carry the cuda marker too, as the GPU-only modules do (`-m cuda` selects them
+    all)."""
+    for item in items:
+        if any(m.name == "skipif" and m.kwargs.get("reason") == requires_cuda.kwargs["reason"]
+               for m in item.iter_markers()):
+            item.add_marker(pytest.mark.cuda)
+
+
 def pytest_xdist_auto_num_workers(config):
     """Workers for `-n auto` (pytest-xdist, the README's test command): one a CPU core on a CPU-only machine, where
     Triton's interpreter makes the suite CPU-bound; none with a GPU, where the suite runs in one process as before."""
