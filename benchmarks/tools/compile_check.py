@@ -152,6 +152,15 @@ def deform_conv2d_cases(dtypes):
                 out = deformconv.deform_conv2d(x, off, wt, b, (s, s), (p, p), (d, d), m, backend="triton")
                 _grads(out, [x, off, wt, b, m])
             yield f"deform_conv2d {name} {str(dtype)[6:]}", run
+            if name == "resnet-c4" and dtype != torch.float32:  # float32 weight and bias under autocast (ROUND)
+                def run_autocast(n=n, cin=cin, cout=cout, h=h, w=w, k=k, dtype=dtype):
+                    x, off = _leaf(n, cin, h, w, dtype=dtype), _leaf(n, 2 * k * k, h, w, dtype=dtype)
+                    m = _leaf(n, k * k, h, w, dtype=dtype)
+                    wt, b = _leaf(cout, cin, k, k, dtype=torch.float32), _leaf(cout, dtype=torch.float32)
+                    with torch.autocast("cpu", dtype=dtype):
+                        out = deformconv.deform_conv2d(x, off, wt, b, 1, 1, 1, m, backend="triton")
+                    _grads(out, [x, off, wt, b, m])
+                yield f"deform_conv2d {name} float32-weight {str(dtype)[6:]}", run_autocast
             if name in ("resnet-c3-s2", "og8-wide"):  # grad_weight through the column buffer (columns.py)
                 def run_columns(run=run):
                     from deformconv.config import options
