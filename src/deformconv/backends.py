@@ -202,8 +202,7 @@ def select_op_backend(device: torch.device, dtype: torch.dtype, requested: str,
     """The backend that runs a call of one of the other ops: the one requested (which must be able to), else the Triton
     kernels where they run automatically (CUDA; fp16, bf16, fp32), else the CPU backend on CPU tensors where the op
     has one, else the reference."""
-    if requested and requested not in available:
-        raise ValueError(f"backend must be one of {list(available)} (or None for automatic), got {requested!r}")
+    op_backend_name(requested or None, available)  # an unknown name raises (calls of the op itself)
     if requested == "reference":
         return "reference"
     if requested:

@@ -40,11 +40,12 @@ def aligned16(t: Tensor) -> bool:
     return config.tracing() or t.data_ptr() % 16 == 0
 
 
-def alignments(tensors: Sequence[Tensor]) -> tuple:
-    """aligned16 of each tensor, at the cost of one check of config.tracing (plan keys read several a call)."""
+def pointer_specs(tensors: Sequence[Tensor]) -> tuple:
+    """Each tensor's (dtype, aligned16): what Triton specialises a pointer argument on, so every plan key that fixes a
+    compiled launch holds it; one check of config.tracing for them all (plan keys read several a call)."""
     if config.tracing():
-        return (True,) * len(tensors)
-    return tuple([t.data_ptr() % 16 == 0 for t in tensors])
+        return tuple([(t.dtype, True) for t in tensors])
+    return tuple([(t.dtype, t.data_ptr() % 16 == 0) for t in tensors])
 
 
 def gather_tile(default: Tuple[int, int]) -> Tuple[int, int]:
@@ -137,8 +138,8 @@ def run_cached(fn, grid: tuple, tensors: Sequence[Tensor], args: tuple, meta: di
     specialises on). Later calls relaunch the compiled kernel directly (Launch). For the kernels whose plans are this
     simple (one launch a call, no config choice)."""
     # meta in its insertion order (each call site builds it the same way): no sort on the per-call path
-    key = (fn, tuple(grid), tuple(args), tuple(meta.items()), tuple([(t.dtype, t.device) for t in tensors]),
-           alignments(tensors))
+    key = (fn, tuple(grid), tuple(args), tuple(meta.items()), tuple([t.device for t in tensors]),
+           pointer_specs(tensors))
     cache = options.cache("launches")
     run = cache.get(key)
     if run is None:

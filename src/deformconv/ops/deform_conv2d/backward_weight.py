@@ -24,7 +24,7 @@ from torch import Tensor
 from ...checks import ConvGeometry, suggest_memory_format
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import Launch, alignments, ceil_div, pow2_clamp, remember, tma_launch
+from ..common.launch import Launch, ceil_div, pointer_specs, pow2_clamp, remember, tma_launch
 from ..common.sampling import (bilinear_weights, blend, blend_pairs, corner_pairs, load_corners, pair_weights,
                                sample_point, segment_channels)
 from .configs import Config
@@ -276,7 +276,7 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
     pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
                 pb if pb is not None else fallback, gb if gb is not None else fallback)
     key = (weight.device, weight.dtype, weight.shape, strides, split_w, split_b, pw is not None, pb is not None,
-           rounding, alignments(pointers))
+           rounding, pointer_specs(pointers))
     cache = options.cache("finishes")
     run = cache.get(key)
     if run is None:

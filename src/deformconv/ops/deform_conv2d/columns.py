@@ -28,7 +28,7 @@ from torch import Tensor
 from ...checks import ConvGeometry
 from ...compat import mm_fp32
 from ...config import options
-from ..common.launch import Launch, alignments, ceil_div, remember
+from ..common.launch import Launch, ceil_div, pointer_specs, remember
 from ..common.sampling import bilinear_weights, blend, load_corners, sample_point
 from .tiles import position_setup, tap_origin
 
@@ -115,19 +115,19 @@ def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional
     for m0 in range(0, m, rows):
         r = min(rows, m - m0)
         tensors = (x, off, msk if msk is not None else off, cols)
-        _launch(geo, n, m, m0, r, x.dtype, msk is not None, grouped, alignments(tensors))(*tensors)
+        _launch(geo, n, m, m0, r, msk is not None, grouped, pointer_specs(tensors))(*tensors)
         whole = r == m  # one buffer: no slices (each costs host time, and views of traced tensors more)
         part = mm_fp32((cols if whole else cols[:r]).t(), go_rows if whole else go_rows[m0:m0 + r])
         gw = part if gw is None else gw.add_(part)
     return gw.view(1, 1, kk, cin, cout)
 
 
-def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, dtype: torch.dtype, has_mask: bool, grouped: bool,
-            aligned: tuple) -> Launch:
-    """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature (aligned: the pointers'
-    alignment, which Triton specialises on)."""
+def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool,
+            specs: tuple) -> Launch:
+    """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature (specs: its tensors'
+    pointer_specs, which Triton specialises on)."""
     cache = options.cache("columns")
-    key = (geo, n, m0, r, dtype, has_mask, grouped, aligned)
+    key = (geo, n, m0, r, has_mask, grouped, specs)
     run = cache.get(key)
     if run is None:
         cog = geo.in_channels // geo.offset_groups

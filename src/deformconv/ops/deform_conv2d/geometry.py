@@ -19,7 +19,7 @@ from ... import config
 from ...checks import ConvGeometry
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import alignments
+from ..common.launch import pointer_specs
 
 
 def segment_length(geo: ConvGeometry) -> int:
@@ -140,7 +140,6 @@ def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Opt
     """A launch plan's cache key: everything its geometry, configs and kernel specialisations depend on. Triton
     specialises a kernel on each pointer's dtype and 16-byte alignment, so those are part of it (the weight's dtype
     too: the grad_weight kernel can store into a tensor of it)."""
-    aligned = alignments(pointers)
     return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape, weight.dtype,
             mask is None, tuple(stride), tuple(padding), tuple(dilation), torch.backends.cudnn.allow_tf32,
-            config.autotune(), aligned, tuple([t.dtype for t in pointers]), *extra)
+            config.autotune(), pointer_specs(pointers), *extra)

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from ..common.launch import Launch, aligned16, alignments, pow2_clamp, remember
+from ..common.launch import Launch, aligned16, pointer_specs, pow2_clamp, remember
 from ..common.layout import (offset_grouped_empty, tile_of, to_nhwc, to_offset_grouped, transpose_tile, transpose_tiles,
                              uses_layout_kernel)
 
@@ -152,7 +152,7 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
         a, images = c, n
     wp = packed_empty(weight, groups, k_major, input.dtype)
     key = (input.device, input.dtype, weight.dtype, input.shape, weight.shape, weight.stride(), groups, offset_groups,
-           grouped, k_major, *alignments((input, x, weight, wp)))
+           grouped, k_major, *pointer_specs((input, x, weight, wp)))
     cache = options.cache("pack_and_transpose")
     run = cache.get(key)
     if run is None:
