@@ -96,6 +96,66 @@ def test_a_repeated_signature_skips_the_checks(monkeypatch):
         assert geo.batch == n and len(checks._VALID) <= 3
 
 
+def test_check_once_checks_each_new_signature_and_remembers_only_passes(monkeypatch):
+    """The other ops' shared cache (checks.check_once): a signature that passed is not checked again; one that raised
+    is checked every time (it raises again); other shapes, dtypes, an op of another name and non-tensors are checked;
+    the memory stays bounded."""
+    from deformconv import checks
+
+    monkeypatch.setattr(checks, "_PASSED", {})
+    monkeypatch.setattr(checks, "_MAX_VALID", 3)
+    calls = []
+
+    def check(fail=False):
+        calls.append(1)
+        if fail:
+            raise ValueError("bad")
+
+    a, b = torch.randn(2, 3), torch.randn(4)
+    for _ in range(3):
+        checks.check_once("op", (a, b), check)
+    assert len(calls) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="bad"):
+            checks.check_once("op", (torch.randn(5), b), lambda: check(fail=True))
+    assert len(calls) == 3
+    checks.check_once("op", (a.double(), b), check)
+    checks.check_once("other op", (a, b), check)
+    checks.check_once("op", (a, 3), check)
+    checks.check_once("op", (a, 3), check)  # not a tensor: never remembered
+    assert len(calls) == 7 and len(checks._PASSED) <= 3
+
+
+def test_ms_deform_attn_checks_after_a_good_call():
+    """A remembered good signature lets no bad attention call through: wrong shapes still raise, naming the argument."""
+    shapes, starts = torch.tensor([[4, 5]]), torch.tensor([0])
+    value, loc, attn = torch.randn(1, 20, 2, 3), torch.rand(1, 6, 2, 1, 2, 2), torch.rand(1, 6, 2, 1, 2)
+    deformconv.ms_deform_attn(value, shapes, starts, loc, attn)
+    with pytest.raises(ValueError, match="attention_weights"):
+        deformconv.ms_deform_attn(value, shapes, starts, loc, attn[..., :1])
+    with pytest.raises(ValueError, match="covers|cover"):
+        deformconv.ms_deform_attn(value, torch.tensor([[4, 4]]), starts, loc, attn)
+
+
+def test_dcnv_checks_after_a_good_call():
+    """DCNv3/DCNv4 remember a good call's geometry by its tensors and plain arguments, each with its type: True in
+    place of 1, a wrong offset shape or a string offset_scale still raise after the same call passed."""
+    x = torch.randn(1, 5, 6, 2 * 3)
+    offset, mask = torch.randn(1, 5, 6, 2 * 9 * 2), torch.rand(1, 5, 6, 2 * 9)
+    args = [3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, False]
+    deformconv.dcnv3(x, offset, mask, *args)
+    with pytest.raises(ValueError, match="stride_h"):
+        deformconv.dcnv3(x, offset, mask, *args[:2], True, *args[3:])
+    with pytest.raises(ValueError, match="offset must have shape"):
+        deformconv.dcnv3(x, offset[..., :-2], mask, *args)
+    with pytest.raises(TypeError, match="offset_scale"):
+        deformconv.dcnv3(x, offset, mask, *args[:-2], "1.0", False)
+    om = torch.randn(1, 5, 6, 56)
+    deformconv.dcnv4(x, om, *args)
+    with pytest.raises(ValueError, match="offset_mask"):
+        deformconv.dcnv4(x, om[..., :50], *args)
+
+
 def test_forced_backend_that_cannot_run_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kw = _good()

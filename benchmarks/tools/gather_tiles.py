@@ -105,8 +105,8 @@ def main(argv=None):
     env = environment(torch.device("cuda"))
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
           "family's default tile (elements x warps)\n")
-    columns = [f"{e}x{w}" for e, w in CANDIDATES] + (["unrolled"] if args.unrolled else []) \
-        + [f"spread{n}" for n in args.roi_spread]
+    timed = unique_tiles(["{}x{}".format(*defaults[f]) for f in args.families] + args.tiles)
+    columns = timed + (["unrolled"] if args.unrolled else []) + [f"spread{n}" for n in args.roi_spread]
     print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:

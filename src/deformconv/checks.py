@@ -1,10 +1,11 @@
-"""Argument checks for deform_conv2d: every bad input becomes a ValueError/TypeError that names the
-argument, what was expected and what came, before any kernel runs."""
+"""Argument checks for deform_conv2d, and the cache of passed call signatures the other ops' checks share: every bad
+input becomes a ValueError/TypeError that names the argument, what was expected and what came, before any kernel
+runs."""
 
 from __future__ import annotations
 
 import operator
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -100,6 +101,33 @@ def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair], al
             return None
         key.append(p)
     return tuple(key)
+
+
+# The other ops' call signatures that passed their checks, with what the checks returned (the same rule as _VALID:
+# checks that read only the tensors' types, shapes, dtypes and devices and the given plain arguments are decided by
+# them; checks of tensor contents stay outside).
+_PASSED: Dict[tuple, object] = {}
+
+
+def check_once(op: str, tensors: Sequence[Optional[Tensor]], check: Callable[[], object], extras: tuple = ()):
+    """check()'s result (check raises on bad input), run unless a call of op with tensors of the same types, shapes,
+    dtypes and devices and the same extras (each with its type: True is not 1) passed it before. Tensor subclasses,
+    extras of other types than None, bool, int, float and str, and calls while torch.compile traces are always
+    checked."""
+    key = _signature(tensors, (), False)
+    if key is None or not all(type(v) in _PLAIN_EXTRAS for v in extras):
+        return check()
+    key = (op, key, tuple((type(v), v) for v in extras))
+    if key in _PASSED:
+        return _PASSED[key]
+    result = check()
+    if len(_PASSED) >= _MAX_VALID:
+        _PASSED.clear()
+    _PASSED[key] = result
+    return result
+
+
+_PLAIN_EXTRAS = (type(None), bool, int, float, str)
 
 
 def check_deform_conv2d_args(

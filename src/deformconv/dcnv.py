@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .backends import op_backend_name
+from .checks import check_once
 from .eager import run_eager
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
@@ -45,6 +46,11 @@ def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, 
         raise ValueError(f"the output would be empty ({geo.out_h}x{geo.out_w}) for input {tuple(input.shape)} with "
                          f"kernel ({kh}, {kw}), stride ({sh}, {sw}), pad ({ph}, {pw}), dilation ({dh}, {dw})")
     return geo
+
+
+def _autocasting(input) -> bool:
+    """Whether autocast is on for input's device (_check_tensor's dtype rule depends on it)."""
+    return isinstance(input, Tensor) and torch.is_autocast_enabled(input.device.type)
 
 
 def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_least: bool = False) -> None:
@@ -96,10 +102,16 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
         >>> deformconv.dcnv3(x, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 4, 8, 1.0).shape
         torch.Size([2, 9, 11, 32])
     """
-    geo = _check(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-                 group_channels, offset_scale, remove_center)
-    _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
-    _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
+    ints = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
+            offset_scale, remove_center)
+
+    def check():
+        geo = _check(input, *ints)
+        _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
+        _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
+        return geo
+
+    geo = check_once("dcnv3", (input, offset, mask), check, ints + (_autocasting(input),))
     args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
@@ -133,10 +145,16 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
         >>> deformconv.dcnv4(x, om, 3, 3, 1, 1, 1, 1, 1, 1, 4, 16, 1.0).shape
         torch.Size([2, 9, 11, 64])
     """
-    geo = _check(input, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
-                 group_channels, offset_scale, remove_center)
-    _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
-                  last_at_least=True)
+    ints = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
+            offset_scale, remove_center)
+
+    def check():
+        geo = _check(input, *ints)
+        _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
+                      last_at_least=True)
+        return geo
+
+    geo = check_once("dcnv4", (input, offset_mask), check, ints + (_autocasting(input),))
     args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)

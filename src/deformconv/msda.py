@@ -11,12 +11,43 @@ import torch
 from torch import Tensor, nn
 
 from .backends import op_backend_name
+from .checks import check_once
 from .eager import run_eager
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
 
 def _shape_error(name: str, want: str, t: Tensor) -> ValueError:
     return ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def _check_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights) -> None:
+    """ms_deform_attn's checks of types, shapes, dtypes and devices (checks.check_once runs them once a signature)."""
+    if not isinstance(value, Tensor) or value.dim() != 4 or not value.is_floating_point():
+        raise ValueError(f"value must be a floating-point tensor [N, S, M, D], got "
+                         f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    n, s, m, _ = value.shape
+    for name, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
+        if not isinstance(t, Tensor) or t.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"{name} must be an int64 tensor, got "
+                            f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
+        if t.device != value.device:
+            raise ValueError(f"{name} must be on value's device {value.device}, got {t.device}")
+    if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2:
+        raise _shape_error("spatial_shapes", "[L, 2]", spatial_shapes)
+    levels = spatial_shapes.shape[0]
+    if tuple(level_start_index.shape) != (levels,):
+        raise _shape_error("level_start_index", f"[{levels}]", level_start_index)
+    if (not isinstance(sampling_locations, Tensor) or sampling_locations.dim() != 6
+            or sampling_locations.shape[0] != n or sampling_locations.shape[2] != m
+            or sampling_locations.shape[3] != levels or sampling_locations.shape[5] != 2):
+        raise _shape_error("sampling_locations", f"[{n}, Lq, {m}, {levels}, P, 2]", sampling_locations)
+    lq, points = sampling_locations.shape[1], sampling_locations.shape[4]
+    if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, levels, points):
+        raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {levels}, {points}]", attention_weights)
+    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if not t.is_floating_point() or t.device != value.device:
+            raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {t.dtype} "
+                            f"on {t.device}")
 
 
 def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
@@ -51,32 +82,9 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         >>> deformconv.ms_deform_attn(value, shapes, starts, loc, attn).shape
         torch.Size([2, 30, 256])
     """
-    if not isinstance(value, Tensor) or value.dim() != 4 or not value.is_floating_point():
-        raise ValueError(f"value must be a floating-point tensor [N, S, M, D], got "
-                         f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
-    n, s, m, _ = value.shape
-    for name, t in (("spatial_shapes", spatial_shapes), ("level_start_index", level_start_index)):
-        if not isinstance(t, Tensor) or t.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"{name} must be an int64 tensor, got "
-                            f"{t.dtype if isinstance(t, Tensor) else type(t).__name__}")
-        if t.device != value.device:
-            raise ValueError(f"{name} must be on value's device {value.device}, got {t.device}")
-    if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2:
-        raise _shape_error("spatial_shapes", "[L, 2]", spatial_shapes)
-    levels = spatial_shapes.shape[0]
-    if tuple(level_start_index.shape) != (levels,):
-        raise _shape_error("level_start_index", f"[{levels}]", level_start_index)
-    if (not isinstance(sampling_locations, Tensor) or sampling_locations.dim() != 6
-            or sampling_locations.shape[0] != n or sampling_locations.shape[2] != m
-            or sampling_locations.shape[3] != levels or sampling_locations.shape[5] != 2):
-        raise _shape_error("sampling_locations", f"[{n}, Lq, {m}, {levels}, P, 2]", sampling_locations)
-    lq, points = sampling_locations.shape[1], sampling_locations.shape[4]
-    if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, levels, points):
-        raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {levels}, {points}]", attention_weights)
-    for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
-        if not t.is_floating_point() or t.device != value.device:
-            raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {t.dtype} "
-                            f"on {t.device}")
+    check_once("ms_deform_attn", (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
+               lambda: _check_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
+    s = value.shape[1]
     if spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: check the levels
         sizes = spatial_shapes.prod(1)
         if bool((spatial_shapes < 0).any()) or int(sizes.sum()) != s:

@@ -19,9 +19,16 @@ from ...compat import TensorDescriptor, direct_launcher, launch_hooks_set
 from ...config import options
 
 
+# Host-side integer helpers in plain Python: Triton's own (triton.cdiv, triton.next_power_of_2) are constexpr
+# functions in newer Tritons, whose Python call costs about 2 microseconds, and launchers call them at every call.
 def ceil_div(a: int, b: int) -> int:
-    """triton.cdiv in plain Python, for code that runs at every call (some Tritons' cdiv costs microseconds)."""
+    """triton.cdiv's value."""
     return -(-a // b)
+
+
+def next_pow2(x: int) -> int:
+    """triton.next_power_of_2's value: the power of two at or above x (0 for 0)."""
+    return 1 << (x - 1).bit_length() if x > 0 else 0
 
 
 def pow2_clamp(x: int, lo: int, hi: int) -> int:

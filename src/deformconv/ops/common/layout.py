@@ -123,7 +123,7 @@ def transpose_blocks(a: int, b: int) -> Tuple[int, int]:
 def transpose_tiles(a: int, b: int) -> Tuple[int, int, int, int]:
     """An [a, b] -> [b, a] pass's (BLOCK_A, BLOCK_B, tiles along a, tiles along b): see transpose_blocks."""
     block_a, block_b = transpose_blocks(a, b)
-    return block_a, block_b, triton.cdiv(a, block_a), triton.cdiv(b, block_b)
+    return block_a, block_b, ceil_div(a, block_a), ceil_div(b, block_b)
 
 
 def _transpose_key(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> tuple:
@@ -197,7 +197,7 @@ def _transpose_pair(first: tuple, second: tuple) -> None:
 @functools.lru_cache(maxsize=256)
 def transpose_sum_rows(a: int, b: int) -> int:
     """Rows of sums per image that transpose_last writes for an [a, b] -> [b, a] transpose."""
-    return triton.cdiv(b, transpose_blocks(a, b)[1])
+    return ceil_div(b, transpose_blocks(a, b)[1])
 
 
 def channel_sum(t: Tensor) -> Tensor:

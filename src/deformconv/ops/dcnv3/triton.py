@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, channel_row_blocks, run_cached
+from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
 from .geometry import DcnGeometry
 
@@ -201,7 +201,7 @@ def _meta(geo: DcnGeometry) -> dict:
 
 
 def _grid(geo: DcnGeometry, meta: dict) -> tuple:
-    return (triton.cdiv(geo.batch * geo.out_h * geo.out_w, meta["BLOCK_M"]), geo.group)
+    return (ceil_div(geo.batch * geo.out_h * geo.out_w, meta["BLOCK_M"]), geo.group)
 
 
 def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry) -> Tensor:

@@ -333,7 +333,7 @@ def launch_grad_weight(geo: ConvGeometry, seg: int, args: tuple, meta: dict, cfg
     gw, gb = targets
     fuse = gb is not None  # grad_bias's partials exist where it is fused
     cout_g = geo.out_channels // geo.groups
-    grid = (weight_rows(geo, seg, cfg.block_k) + (geo.groups if fuse else 0), triton.cdiv(cout_g, cfg.block_n),
+    grid = (weight_rows(geo, seg, cfg.block_k) + (geo.groups if fuse else 0), ceil_div(cout_g, cfg.block_n),
             cfg.split)
     nseg = segments_per_chunk(geo, seg, cfg.block_k, "bwd_weight")
     # grad_out tiles through TMA (its chunks need not be whole: no weight tile here)

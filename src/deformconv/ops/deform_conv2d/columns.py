@@ -28,7 +28,7 @@ from torch import Tensor
 from ...checks import ConvGeometry
 from ...compat import mm_fp32
 from ...config import options
-from ..common.launch import Launch, ceil_div, pointer_specs, remember
+from ..common.launch import Launch, ceil_div, next_pow2, pointer_specs, remember
 from ..common.sampling import bilinear_weights, blend, load_corners, sample_point
 from .tiles import position_setup, tap_origin
 
@@ -134,7 +134,7 @@ def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, 
         args = (geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, m, cog, geo.offset_groups,
                 *geo.stride, *geo.padding, *geo.dilation, m0 // BLOCK_M)
         meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=has_mask, GROUPED=grouped, BLOCK_M=BLOCK_M,
-                    BLOCK_K=min(MAX_BLOCK_K, triton.next_power_of_2(max(cog, 1))), num_warps=WARPS)
+                    BLOCK_K=min(MAX_BLOCK_K, next_pow2(max(cog, 1))), num_warps=WARPS)
         grid = (ceil_div(r, BLOCK_M), geo.kernel_h * geo.kernel_w, geo.offset_groups)
         run = remember(cache, key, Launch(_columns_kernel, grid, args, meta))
     return run

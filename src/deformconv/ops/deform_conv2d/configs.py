@@ -13,12 +13,11 @@ from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-import triton
 
 from ...checks import ConvGeometry
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import pow2_clamp, sm_count, tma_possible, unique_configs
+from ..common.launch import ceil_div, pow2_clamp, sm_count, tma_possible, unique_configs
 from .geometry import k_chunks_whole, k_run, packs_segments, weight_k_major, weight_rows
 
 
@@ -107,7 +106,7 @@ def tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool
     per multiprocessor; else 1. Deterministic mode: 3 when the tiles are fewer than the multiprocessors."""
     if device.type != "cuda":
         return 1
-    tiles, sms = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m), sm_count(device)
+    tiles, sms = ceil_div(geo.batch * geo.out_h * geo.out_w, block_m), sm_count(device)
     if fixed:
         return min(3, geo.taps) if tiles < sms else 1
     if tiles < 2 * sms:
@@ -174,7 +173,7 @@ def bwd_weight_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, devic
         shapes.insert(0, shapes.pop(1)[:5] + (WEIGHT_WIDE_MAXNREG,))
     cands = []
     for bm, bn, kk, warps, stages, maxnreg in shapes:
-        tiles = weight_rows(geo, seg, kk) * triton.cdiv(cout_g, bn)
+        tiles = weight_rows(geo, seg, kk) * ceil_div(cout_g, bn)
         cands.append(Config(bm, bn, kk, warps, stages, split=weight_split(geo, tiles, bm, device, concurrent, dtype),
                             maxnreg=maxnreg))
     if not packed:
@@ -196,11 +195,11 @@ def weight_split(geo: ConvGeometry, tiles: int, block_m: int, device: torch.devi
     """Split-M factor for grad_weight: about 3 programs per SM (CONCURRENT_WEIGHT_PROGRAMS_PER_SM for dtype beside
     the grad_input kernel), at least 4 M tiles each, and the fp32 partial sums within SPLIT_PARTIAL_BYTES per input
     element or 4 weights, whichever is more."""
-    m_tiles = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+    m_tiles = ceil_div(geo.batch * geo.out_h * geo.out_w, block_m)
     sms = sm_count(device)
     beside = CONCURRENT_WEIGHT_PROGRAMS_PER_SM.get(dtype.itemsize, 1.0)
     programs = beside * sms if concurrent else 3 * sms
-    want = triton.cdiv(max(1, round(programs)), max(tiles, 1))
+    want = ceil_div(max(1, round(programs)), max(tiles, 1))
     weight_elems = geo.out_channels * (geo.in_channels // geo.groups) * geo.taps
     input_elems = geo.batch * geo.in_channels * geo.height * geo.width
     by_memory = max(4, (SPLIT_PARTIAL_BYTES * input_elems) // (4 * weight_elems))

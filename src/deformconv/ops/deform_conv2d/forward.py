@@ -27,7 +27,7 @@ from torch import Tensor
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import Launch, dot_precision, pick_config, remember, tma_launch
+from ..common.launch import Launch, ceil_div, dot_precision, pick_config, remember, tma_launch
 from ..common.sampling import bilinear_weights, blend, blend_pairs, load_corners, sample_from, sample_loads, sample_point
 from .configs import Config, fwd_candidates
 from .geometry import (contiguous_operands, count_m_tiles, grouped_input, k_chunks_whole, per_image_tiles, plan_key,
@@ -251,7 +251,7 @@ def _launch_forward(plan: ForwardPlan, cfg: Config, x: Tensor, off: Tensor, msk:
     nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
     run_store = run_store_length(out, cfg.block_m, nseg)
     per_image = per_image_tiles(geo, cfg.block_m, "fwd", nseg, run_store > 0)
-    grid = (count_m_tiles(geo, cfg.block_m, per_image) * triton.cdiv(geo.out_channels // geo.groups, cfg.block_n),
+    grid = (count_m_tiles(geo, cfg.block_m, per_image) * ceil_div(geo.out_channels // geo.groups, cfg.block_n),
             geo.groups)
     args = (*size_args(geo), *geo.stride, *geo.padding, *geo.dilation, *position_strides(out))
     even_k = k_chunks_whole(geo, seg, cfg.block_k, "fwd")

@@ -12,14 +12,13 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import torch
-import triton
 from torch import Tensor
 
 from ... import config
 from ...checks import ConvGeometry
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import pointer_specs
+from ..common.launch import ceil_div, next_pow2, pointer_specs
 
 
 def segment_length(geo: ConvGeometry) -> int:
@@ -55,15 +54,15 @@ def weight_rows(geo: ConvGeometry, seg: int, block_k: int) -> int:
     """grad_weight programs along K: groups x taps x (segments x chunks, or chunks of packed segments)."""
     cin_g = geo.in_channels // geo.groups
     if packs_segments(geo, seg, "bwd_weight"):
-        return geo.groups * geo.taps * triton.cdiv(cin_g, block_k)
-    return geo.groups * geo.taps * (cin_g // seg) * triton.cdiv(seg, block_k)
+        return geo.groups * geo.taps * ceil_div(cin_g, block_k)
+    return geo.groups * geo.taps * (cin_g // seg) * ceil_div(seg, block_k)
 
 
 def count_m_tiles(geo: ConvGeometry, block_m: int, per_image: bool) -> int:
     """M tiles of block_m positions: per image (none crossing into the next), or over the flat M."""
     if per_image:
-        return geo.batch * triton.cdiv(geo.out_h * geo.out_w, block_m)
-    return triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+        return geo.batch * ceil_div(geo.out_h * geo.out_w, block_m)
+    return ceil_div(geo.batch * geo.out_h * geo.out_w, block_m)
 
 
 def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, run_store: bool = False) -> bool:
@@ -74,7 +73,7 @@ def per_image_tiles(geo: ConvGeometry, block_m: int, kind: str, nseg: int, run_s
     (or in any tile under CodegenProfile.per_image_run_stores); elsewhere flat tiles were faster."""
     if options.per_image is not None:
         return options.per_image
-    flat = triton.cdiv(geo.batch * geo.out_h * geo.out_w, block_m)
+    flat = ceil_div(geo.batch * geo.out_h * geo.out_w, block_m)
     if 3 * (count_m_tiles(geo, block_m, True) - flat) > flat:
         return False
     if kind != "fwd":
@@ -132,7 +131,7 @@ def tuning_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has
     """Tuning cache key: what changes the best config (channels, kernel, segment, dtype, M magnitude)."""
     m = geo.batch * geo.out_h * geo.out_w
     return (kind, dtype, geo.in_channels // geo.groups, geo.out_channels // geo.groups, seg, geo.kernel_h,
-            geo.kernel_w, has_mask, triton.next_power_of_2(m), torch.backends.cudnn.allow_tf32)
+            geo.kernel_w, has_mask, next_pow2(m), torch.backends.cudnn.allow_tf32)
 
 
 def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding,

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from ..common.launch import Launch, aligned16, pointer_specs, pow2_clamp, remember
+from ..common.launch import Launch, aligned16, ceil_div, next_pow2, pointer_specs, pow2_clamp, remember
 from ..common.layout import (offset_grouped_empty, tile_of, to_nhwc, to_offset_grouped, transpose_tile, transpose_tiles,
                              uses_layout_kernel)
 
@@ -107,7 +107,7 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
     run = cache.get(key)
     if run is None:
         block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
-        grid = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i), groups)
+        grid = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i), groups)
         meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
         run = remember(cache, key, Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
     run(weight, out)
@@ -125,7 +125,7 @@ def pack_blocks(shape: Sequence[int], groups: int, k_major: bool) -> Tuple[int, 
     """_pack_weight_tile's (BLOCK_O, BLOCK_I, TAPS) for a weight [Cout, Cin_g, kh, kw]: 4096-element tiles, up to 64
     along the written side (contiguous in the packed layout), all taps."""
     cout, cin_g, kh, kw = shape
-    taps = triton.next_power_of_2(kh * kw)
+    taps = next_pow2(kh * kw)
     side = min(pow2_clamp(cin_g if k_major else cout // groups, 1, 64), max(4096 // taps, 1))
     other = max(4096 // (taps * side), 1)
     block_i, block_o = (side, other) if k_major else (other, side)
@@ -158,7 +158,7 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
     if run is None:
         block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
         block_a, block_b, *tiles_ab = transpose_tiles(a, h * w)
-        tiles = (triton.cdiv(cout_g, block_o), triton.cdiv(cin_g, block_i))
+        tiles = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i))
         pack_programs = tiles[0] * tiles[1] * groups
         grid = (pack_programs + tiles_ab[0] * tiles_ab[1] * images,)
         args = (cin_g, cout_g, *weight.stride(), a, h * w, *tiles, pack_programs, *tiles_ab)

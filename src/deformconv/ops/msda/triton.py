@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, channel_row_blocks, run_cached
+from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
 from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -180,7 +180,7 @@ def _setup(value: Tensor, sampling_locations: Tensor):
     n, s, m, d = value.shape
     _, lq, _, levels, points, _ = sampling_locations.shape
     block_q, block_d, warps = channel_row_blocks(d, TILE)  # BLOCK_Q queries
-    grid = (triton.cdiv(n * lq, block_q), m)
+    grid = (ceil_div(n * lq, block_q), m)
     meta = dict(D=d, L=levels, P=points, BLOCK_Q=block_q, BLOCK_D=block_d, num_warps=warps)
     return grid, (n * lq, lq, s, m), meta  # (the sizes: the kernels' runtime arguments)
 

@@ -17,7 +17,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import run_cached
+from ..common.launch import ceil_div, next_pow2, run_cached
 from ..common.sampling import load_grid_corners, scatter_add
 from .ps_reference import roi_boxes
 
@@ -25,8 +25,8 @@ TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_O of a program
 
 
 def _blocks(bins: int, channels: int) -> Tuple[int, int]:
-    block_bins = triton.next_power_of_2(bins)
-    return block_bins, max(8, min(triton.next_power_of_2(channels), TILE_ELEMENTS // block_bins))
+    block_bins = next_pow2(bins)
+    return block_bins, max(8, min(next_pow2(channels), TILE_ELEMENTS // block_bins))
 
 
 @triton.jit
@@ -204,7 +204,7 @@ def deform_psroi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tens
     meta = _meta(pooled_size, output_dim, group_size, part_size, sample_per_part, offset is not None)
     classes = offset.shape[1] // 2 if offset is not None else 1
     off = offset.contiguous() if offset is not None else rois
-    run_cached(_psroi_fwd_kernel, (R, triton.cdiv(output_dim, meta["BLOCK_O"])), (input, rois.contiguous(), off, out),
+    run_cached(_psroi_fwd_kernel, (R, ceil_div(output_dim, meta["BLOCK_O"])), (input, rois.contiguous(), off, out),
                (N, H, W, *input.stride(), output_dim, classes, float(spatial_scale), float(trans_std)), meta)
     return out
 
@@ -244,7 +244,7 @@ def deform_psroi_pool_backward(grad_out: Tensor, input: Tensor, rois: Tensor, of
         off = offset.contiguous() if offset is not None else rois
         tensors = (input, rois.contiguous(), off, go, gin if gin is not None else go,
                    goff if goff is not None else go, scales[0] if fixed else go)
-        run_cached(_psroi_bwd_kernel, (R, triton.cdiv(output_dim, meta["BLOCK_O"])), tensors,
+        run_cached(_psroi_bwd_kernel, (R, ceil_div(output_dim, meta["BLOCK_O"])), tensors,
                    (N, H, W, *input.stride(), output_dim, classes, float(spatial_scale), float(trans_std)),
                    dict(meta, NEED_IN=need_input, NEED_OFF=need_offset, FIXED=fixed))
     if gin is not None:

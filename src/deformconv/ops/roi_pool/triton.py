@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, gather_tile, run_cached
+from ..common.launch import backward_warps, ceil_div, gather_tile, next_pow2, run_cached
 from ..common.sampling import load_grid_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -41,8 +41,8 @@ BLOCK_S = 16
 def _blocks(bins: int, channels: int) -> Tuple[int, int, int]:
     """(BLOCK_BINS, BLOCK_C, warps): every bin of the RoI, and channels filling the tile (at least 8)."""
     elements, warps = gather_tile(TILE)
-    block_bins = triton.next_power_of_2(bins)
-    return block_bins, max(8, min(triton.next_power_of_2(channels), elements // block_bins)), warps
+    block_bins = next_pow2(bins)
+    return block_bins, max(8, min(next_pow2(channels), elements // block_bins)), warps
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -299,7 +299,7 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
         return out.zero_()
     meta = _meta(output_size, C, sampling_ratio, offset is not None)
     off = offset.contiguous() if offset is not None else rois
-    run_cached(_roi_pool_fwd_kernel, (R, triton.cdiv(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
+    run_cached(_roi_pool_fwd_kernel, (R, ceil_div(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
                (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)),
                dict(meta, BINS_FAST=bins_fast(input), BLOCK_S=spread_samples(sampling_ratio)))
     return out
