@@ -65,7 +65,11 @@ def pretend_gpu(arch: int) -> None:
         md = kernel.metadata
         rec = COMPILED.setdefault(md.hash, dict(kernel=md.name, shared=md.shared, warps=md.num_warps,
                                                 stages=md.num_stages, maxnreg=getattr(md, "maxnreg", None),
-                                                cases=[], cubin=kernel.asm["cubin"]))
+                                                cases=[], cubin=kernel.asm["cubin"],
+                                                # fp32 divisions of 2 ulp (Triton's `/`); the kernels divide through
+                                                # common.sampling.div (IEEE rounding) instead
+                                                approx_div=kernel.asm["ptx"].count("div.full.f32")
+                                                + kernel.asm["ptx"].count("div.approx")))
         rec["cases"].append(CASE["name"])
         if SCALARS_CONSTANT["on"]:
             compile_with_constant_scalars(self, args, kwargs, kernel.metadata.target)

@@ -21,6 +21,14 @@ import triton.language as tl
 
 
 @triton.jit
+def div(a, b):
+    """a / b rounded as IEEE division (PyTorch, nvcc's default, torchvision's kernels). Triton's `/` on fp32 is
+    div.full.f32 (up to 2 ulp), which can put an exact quotient an ulp off: a RoI whose size is a whole multiple of
+    its bins would then count one adaptive sample more (ceil) than torchvision and mmcv do."""
+    return tl.math.div_rn(a, tl.cast(b, tl.float32))  # (div_rn takes fp32 only: b may be a count or an int)
+
+
+@triton.jit
 def fraction(v, v0):
     """The fraction v - v0 of a coordinate v above v0 = floor(v): NaN for a NaN v, +inf for an infinite v."""
     return tl.where(tl.abs(v) == float("inf"), float("inf"), v - v0)

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import ceil_div, next_pow2, run_cached
-from ..common.sampling import load_grid_corners, scatter_add
+from ..common.sampling import div, load_grid_corners, scatter_add
 from .ps_reference import roi_boxes
 
 TILE_ELEMENTS = 4096  # BLOCK_BINS·BLOCK_O of a program
@@ -55,8 +55,8 @@ def _tile(rois_ptr, off_ptr, r, offs_o, o_ok, N, O, CLASSES, SCALE, TRANS_STD,
     start_h = y1 * SCALE - 0.5
     roi_w = tl.maximum((x2 + 1.0) * SCALE - 0.5 - start_w, 0.1)
     roi_h = tl.maximum((y2 + 1.0) * SCALE - 0.5 - start_h, 0.1)
-    bin_w = roi_w / P
-    bin_h = roi_h / P
+    bin_w = div(roi_w, P)
+    bin_h = div(roi_h, P)
     gi = tl.minimum(tl.maximum(i * G // P, 0), G - 1)
     gj = tl.minimum(tl.maximum(j * G // P, 0), G - 1)
     channel = (offs_o[None, :] * G + gi[:, None]) * G + gj[:, None]
@@ -72,7 +72,7 @@ def _tile(rois_ptr, off_ptr, r, offs_o, o_ok, N, O, CLASSES, SCALE, TRANS_STD,
         ty = tl.load(off_ptr + cell + PART * PART, mask=live, other=0.0).to(tl.float32) * TRANS_STD
         wstart += tx * roi_w
         hstart += ty * roi_h
-    return b, live, channel, wstart, hstart, bin_w / S, bin_h / S, roi_w, roi_h, cell
+    return b, live, channel, wstart, hstart, div(bin_w, S), div(bin_h, S), roi_w, roi_h, cell
 
 
 @triton.jit
@@ -118,7 +118,7 @@ def _psroi_fwd_kernel(
             count += ok.to(tl.float32)
     bins = tl.arange(0, BLOCK_BINS)
     out = out_ptr + (r.to(tl.int64) * O + offs_o[None, :]) * (P * P) + bins[:, None]
-    res = tl.where(count > 0, acc / tl.maximum(count, 1.0), 0.0)
+    res = tl.where(count > 0, div(acc, tl.maximum(count, 1.0)), 0.0)
     tl.store(out, res.to(out_ptr.dtype.element_ty), mask=(bins < P * P)[:, None] & o_ok[None, :])
 
 
@@ -157,7 +157,7 @@ def _psroi_bwd_kernel(
             ok_x, _, _, _, _ = _axis(wstart + iw * sub_w, W)
             count += (live & ok_y & ok_x).to(tl.float32)
     g = tl.load(go_ptr + (r.to(tl.int64) * O + offs_o[None, :]) * (P * P) + bins[:, None], mask=live, other=0.0)
-    g = tl.where(count > 0, g.to(tl.float32) / tl.maximum(count, 1.0), 0.0)
+    g = tl.where(count > 0, div(g.to(tl.float32), tl.maximum(count, 1.0)), 0.0)
     base = x_ptr + b * sn + channel.to(tl.int64) * sc
     gbase = gin_ptr + (b * (O * G * G) + channel.to(tl.int64)) * (H * W)
     gx = tl.zeros((BLOCK_BINS, BLOCK_O), dtype=tl.float32)

@@ -23,7 +23,7 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, ceil_div, gather_tile, next_pow2, run_cached
-from ..common.sampling import load_grid_corners, scatter_add
+from ..common.sampling import div, load_grid_corners, scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------
 
@@ -58,14 +58,14 @@ def _roi(rois_ptr, off_ptr, r, bins, bin_ok, N, SCALE, GAMMA, PH: tl.constexpr, 
     y1 = tl.load(rois_ptr + r * 5 + 2).to(tl.float32) * SCALE - 0.5
     roi_w = tl.load(rois_ptr + r * 5 + 3).to(tl.float32) * SCALE - 0.5 - x1
     roi_h = tl.load(rois_ptr + r * 5 + 4).to(tl.float32) * SCALE - 0.5 - y1
-    bin_w = roi_w / PW
-    bin_h = roi_h / PH
+    bin_w = div(roi_w, PW)
+    bin_h = div(roi_h, PH)
     if SAMPLING > 0:
         gh = SAMPLING
         gw = SAMPLING
     else:  # ceil(roi size / bins); a RoI of no (or negative) size samples nothing
-        gh = tl.maximum(tl.ceil(roi_h / PH), 0.0).to(tl.int32)
-        gw = tl.maximum(tl.ceil(roi_w / PW), 0.0).to(tl.int32)
+        gh = tl.maximum(tl.ceil(bin_h), 0.0).to(tl.int32)
+        gw = tl.maximum(tl.ceil(bin_w), 0.0).to(tl.int32)
     i = bins // PW
     j = bins - i * PW
     sx = x1 + j.to(tl.float32) * bin_w
@@ -99,7 +99,7 @@ def _axis(c, size):
 @triton.jit
 def _grid_axis(start, i, size, n, limit):
     """_axis of sample i of a bin's n along one axis: at start + (i + 0.5) · size / n (size: the bin's extent)."""
-    return _axis(start + (i + 0.5) * size / n, limit)
+    return _axis(start + div((i + 0.5) * size, n), limit)
 
 
 @triton.jit
@@ -144,7 +144,7 @@ def _pool_block_store(x_image, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, 
                 + _per_bin(wyh * wxl, BINS_FAST) * v10 + _per_bin(wyh * wxh, BINS_FAST) * v11
     count = tl.maximum(gh * gw, 1).to(tl.float32)
     out = out_r + _per_channel(offs_c.to(tl.int64) * (PH * PW), BINS_FAST) + _per_bin(bins, BINS_FAST)
-    tl.store(out, (acc / count).to(out_r.dtype.element_ty), mask=_per_bin(bin_ok, BINS_FAST) & c_live)
+    tl.store(out, div(acc, count).to(out_r.dtype.element_ty), mask=_per_bin(bin_ok, BINS_FAST) & c_live)
 
 
 @triton.jit
@@ -197,7 +197,7 @@ def _roi_pool_fwd_kernel(
                 sums = _pool_spread_channel(x_ptr + b * sn + c.to(tl.int64) * sc, bins, bin_live & (c < C), sx, sy,
                                             bin_w, bin_h, gh, gw, H, W, sh, sw, BLOCK_BINS, BLOCK_S)
                 tl.store(out_r + c.to(tl.int64) * (PH * PW) + bins,
-                         (sums / (gh * gw).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
+                         div(sums, (gh * gw).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
         else:
             _pool_block_store(x_ptr + b * sn, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h,
                               gh, gw, H, W, sh, sw, PH, PW, BLOCK_BINS, BLOCK_C, BINS_FAST)
@@ -236,8 +236,8 @@ def _roi_pool_bwd_kernel(
     for c0 in range(0, C, BLOCK_C):
         offs_c = c0 + tl.arange(0, BLOCK_C)
         c_ok = offs_c < C
-        g = tl.load(go_ptr + r.to(tl.int64) * C * PH * PW + (offs_c.to(tl.int64) * (PH * PW))[None, :] + bins[:, None],
-                    mask=bin_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32) / count
+        g = div(tl.load(go_ptr + r.to(tl.int64) * C * PH * PW + (offs_c.to(tl.int64) * (PH * PW))[None, :]
+                        + bins[:, None], mask=bin_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32), count)
         base = x_ptr + b * sn + (offs_c.to(tl.int64) * sc)[None, :]
         gbase = gin_ptr + (b * C + offs_c.to(tl.int64))[None, :] * HW
         for iy in range(gh):
