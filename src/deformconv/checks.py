@@ -107,6 +107,7 @@ def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair], al
 # checks that read only the tensors' types, shapes, dtypes and devices and the given plain arguments are decided by
 # them; checks of tensor contents stay outside).
 _PASSED: Dict[tuple, object] = {}
+_PLAIN_EXTRAS = (type(None), bool, int, float, str)
 
 
 def check_once(op: str, tensors: Sequence[Optional[Tensor]], check: Callable[[], object], extras: tuple = ()):
@@ -125,9 +126,6 @@ def check_once(op: str, tensors: Sequence[Optional[Tensor]], check: Callable[[],
         _PASSED.clear()
     _PASSED[key] = result
     return result
-
-
-_PLAIN_EXTRAS = (type(None), bool, int, float, str)
 
 
 def check_deform_conv2d_args(

@@ -102,16 +102,16 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
         >>> deformconv.dcnv3(x, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 4, 8, 1.0).shape
         torch.Size([2, 9, 11, 32])
     """
-    ints = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
+    params = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
             offset_scale, remove_center)
 
     def check():
-        geo = _check(input, *ints)
+        geo = _check(input, *params)
         _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
         _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
         return geo
 
-    geo = check_once("dcnv3", (input, offset, mask), check, ints + (_autocasting(input),))
+    geo = check_once("dcnv3", (input, offset, mask), check, params + (_autocasting(input),))
     args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
@@ -145,16 +145,16 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
         >>> deformconv.dcnv4(x, om, 3, 3, 1, 1, 1, 1, 1, 1, 4, 16, 1.0).shape
         torch.Size([2, 9, 11, 64])
     """
-    ints = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
+    params = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
             offset_scale, remove_center)
 
     def check():
-        geo = _check(input, *ints)
+        geo = _check(input, *params)
         _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
                       last_at_least=True)
         return geo
 
-    geo = check_once("dcnv4", (input, offset_mask), check, ints + (_autocasting(input),))
+    geo = check_once("dcnv4", (input, offset_mask), check, params + (_autocasting(input),))
     args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)
