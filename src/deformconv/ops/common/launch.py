@@ -33,7 +33,7 @@ def next_pow2(x: int) -> int:
 
 def pow2_clamp(x: int, lo: int, hi: int) -> int:
     """The power of two at or above x, clamped to [lo, hi] (plain Python: channel_sum calls it every call)."""
-    return max(lo, min(hi, 1 << (max(1, x) - 1).bit_length()))
+    return max(lo, min(hi, next_pow2(max(1, x))))
 
 
 def unique_configs(cands: list) -> list:
@@ -66,7 +66,7 @@ def channel_row_blocks(channels: int, default: Tuple[int, int]) -> Tuple[int, in
     """(BLOCK rows, BLOCK_D, warps) of a gather kernel whose program holds every channel of its rows (positions,
     queries): BLOCK_D the power of two at or above channels, and rows filling the tile (gather_tile), 4 to 128."""
     elements, warps = gather_tile(default)
-    block_d = 1 << (max(channels, 1) - 1).bit_length()
+    block_d = next_pow2(max(channels, 1))
     return max(4, min(128, elements // block_d)), block_d, warps
 
 

@@ -246,13 +246,13 @@ def grad_weight_like(weight: Tensor) -> Tensor:
     return torch.empty(weight.shape, dtype=weight.dtype, device=weight.device, memory_format=suggest_memory_format(weight))
 
 
+_ROUND_CODES = {torch.float16: 1, torch.bfloat16: 2}  # _rounded's ROUND
+
+
 def grad_rounding(weight_dtype: torch.dtype, input_dtype: torch.dtype) -> int:
     """_rounded's ROUND for the gradient of a weight of weight_dtype used in input_dtype: the input's 16-bit dtype
     where the weight's differs (a wider one, which the kernels cast), else 0."""
     return 0 if weight_dtype == input_dtype else _ROUND_CODES.get(input_dtype, 0)
-
-
-_ROUND_CODES = {torch.float16: 1, torch.bfloat16: 2}
 
 
 def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
@@ -340,7 +340,9 @@ def launch_grad_weight(geo: ConvGeometry, seg: int, args: tuple, meta: dict, cfg
     tma = grad_out_tma_ok(go, geo, cfg.block_n) and tma_launch(cfg, x.dtype, True, [(go, geo.out_channels)])
     profile = codegen_profile()
     weight_meta = dict(meta, NSEG=nseg, EVEN_K=k_chunks_whole(geo, seg, cfg.block_k, "bwd_weight"), TMA=tma,
-                       NEED_BIAS=fuse, ROUND=grad_rounding(gw.dtype, x.dtype) if gw.dim() == 4 else 0, PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg),
+                       NEED_BIAS=fuse, PER_IMAGE=per_image_tiles(geo, cfg.block_m, "bwd_weight", nseg),
+                       # the direct store (grad_weight itself, 4-D) rounds; partial sums (5-D) round when finished
+                       ROUND=grad_rounding(gw.dtype, x.dtype) if gw.dim() == 4 else 0,
                        FMA_BLEND=profile.explicit_fma_blend, PAIRS_OUTER=profile.pair_axis_outer,
                        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, **cfg.launch_options())
     run = Launch(_deform_conv2d_bwd_weight_kernel, grid,
