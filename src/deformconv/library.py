@@ -209,12 +209,37 @@ def _decomposes(args: tuple, input_index: int, backend: str) -> bool:
     return input.shape[0] > 0
 
 
+def _exact_layout(t: Optional[Tensor]) -> Optional[Tensor]:
+    """t with its strides fixed for Inductor: a view (as_strided) of a one-dimensional view of t in t's memory order
+    (NCHW- or channels_last-contiguous; any other layout is made contiguous first).
+
+    The traced launches read the op's inputs with the strides they had when traced, as constants. Inductor promises
+    a user kernel's arguments only the traced stride *order*: it may pad a buffer's strides when it fixes its layout
+    (comprehensive padding: an image stride of 1980 elements becomes 1984) or hand over another tensor of that order
+    (pytorch#132102, #147828), and the kernels then read the wrong elements: a compiled ModulatedDeformConv2dPack,
+    whose offset and mask are copies of channel slices, got wrong gradients. A one-dimensional view has a single
+    layout, and as_strided's input keeps its exact strides, so the kernels read what was traced; where the buffer's
+    layout was still free this costs nothing, else one copy."""
+    if t is None or t.dim() == 0 or t.numel() == 0:
+        return t
+    if t.is_contiguous():
+        flat = t.view(-1)
+    elif t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last):
+        flat = t.permute(0, 2, 3, 1).reshape(-1)
+    else:
+        t = t.contiguous()
+        flat = t.view(-1)
+    return flat.as_strided(t.shape, t.stride())
+
+
 def _traced_forward(input, offset, weight, bias, mask, stride, padding, dilation, backend):
     check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=True)
+    input, offset, weight, bias, mask = map(_exact_layout, (input, offset, weight, bias, mask))
     return forward_impl(input, offset, weight, bias, mask, stride, padding, dilation, backend)
 
 
 def _traced_backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend):
+    grad_out, input, offset, weight, mask = map(_exact_layout, (grad_out, input, offset, weight, mask))
     grads = backward_impl(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, backend)
     return tuple(g if g is not None else input.new_empty(0) for g in grads)
 

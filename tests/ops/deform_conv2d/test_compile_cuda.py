@@ -77,6 +77,34 @@ def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtyp
         assert_close(g, ref, dtype, f"grad_{what}")
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_compiled_module_reads_its_offset_and_mask_as_traced(channels_last):
+    """A compiled ModulatedDeformConv2dPack: its offset is a channel slice of the offset conv's output and its mask a
+    sigmoid of another, buffers whose strides Inductor chooses (and pads: here an image stride of 18·11·10 = 1980
+    elements, not a multiple of 32); the output and every gradient match the float64 module within fp32's
+    tolerance, as eager's do."""
+    torch.manual_seed(0)
+    mod = deformconv.ModulatedDeformConv2dPack(16, 24, 3, padding=1, stride=2).cuda()
+    torch.nn.init.normal_(mod.conv_offset.weight, std=0.1)
+    mod64 = deformconv.ModulatedDeformConv2dPack(16, 24, 3, padding=1, stride=2).cuda().double()
+    mod64.load_state_dict(mod.state_dict())
+    x = torch.randn(3, 16, 21, 19, device="cuda")
+    if channels_last:
+        x = x.to(memory_format=torch.channels_last)
+    gout = torch.randn(3, 24, 11, 10, device="cuda", dtype=torch.float64)
+
+    def run(fn, params, xx):
+        xx = xx.detach().requires_grad_(True)
+        out = fn(xx)
+        return [out, *torch.autograd.grad(out, [xx, *params], gout.to(out.dtype))]
+
+    ref = run(mod64, list(mod64.parameters()), x.double())
+    got = run(torch.compile(mod, fullgraph=True), list(mod.parameters()), x)
+    names = ["output", "grad_input", "grad_weight", "grad_bias", "grad_offset_conv.weight", "grad_offset_conv.bias"]
+    for what, g, r in zip(names, got, ref):
+        assert_close(g, r, torch.float32, what)
+
+
 def _train(model, x, steps, compile_model=None):
     """Losses and final parameters of `steps` SGD steps; the model compiled by compile_model (its forward and, through
     AOTAutograd, its backward: Dynamo does not trace a call of Tensor.backward)."""
