@@ -3,9 +3,10 @@
 The input is read in place through its strides (NCHW or channels_last). A forward program owns one RoI and BLOCK_C
 channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along the threads, for an NCHW input;
 [BLOCK_BINS, BLOCK_C] for channels_last), looping over the RoI's own sample grid (adaptive sampling: runtime loop
-bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels one
+bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels two
 at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a pixel apart,
-so a warp's loads share cache lines, where bins along the threads put each load in a line of its own. A backward
+so a warp's loads share cache lines, where bins along the threads put each load in a line of its own; each sample's
+position and weights serve both channels. A backward
 program owns one RoI and loops over the channel blocks, so each bin's offset gradient is summed in registers and
 stored once; grad_input is added by atomics into an fp32 buffer (int64 fixed point in deterministic mode:
 common/fixed_point.py).
@@ -148,13 +149,15 @@ def _pool_block_store(x_image, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, 
 
 
 @triton.jit
-def _pool_spread_channel(x_base, bins, bin_live, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
-                         BLOCK_BINS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The sums [BLOCK_BINS] of one channel plane (x_base): each bin's samples BLOCK_S at a time, along the threads
-    (sample s of a bin is grid point (s // gw, s % gw))."""
+def _pool_spread_pair(x_base, sc, bins, bin_live, live0, live1, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
+                      BLOCK_BINS: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The sums [BLOCK_BINS] of two neighbouring channel planes (x_base, x_base + sc; live0 / live1: whether each is a
+    channel): each bin's samples BLOCK_S at a time, along the threads (sample s of a bin is grid point (s // gw,
+    s % gw)). Each sample's position, weights and flags serve both planes' loads."""
     n_s = gh * gw
     offs_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
+    acc0 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
     for s0 in range(0, n_s, BLOCK_S):
         s = s0 + offs_s
         iy = s // gw
@@ -162,9 +165,13 @@ def _pool_spread_channel(x_base, bins, bin_live, sx, sy, bin_w, bin_h, gh, gw, H
         yl, yh, wyl, wyh, sly, in_y = _grid_axis(sy[:, None], iy[None, :], bin_h, gh, H)
         xl, xh, wxl, wxh, slx, in_x = _grid_axis(sx[:, None], ix[None, :], bin_w, gw, W)
         live = bin_live[:, None] & (s < n_s)[None, :] & in_y & in_x
-        v00, v01, v10, v11 = load_grid_corners(x_base, yl * sh, yh * sh, xl * sw, xh * sw, live)
-        acc += wyl * wxl * v00 + wyl * wxh * v01 + wyh * wxl * v10 + wyh * wxh * v11
-    return tl.sum(acc, axis=1)
+        r0, r1, c0, c1 = yl * sh, yh * sh, xl * sw, xh * sw
+        w00, w01, w10, w11 = wyl * wxl, wyl * wxh, wyh * wxl, wyh * wxh
+        v00, v01, v10, v11 = load_grid_corners(x_base, r0, r1, c0, c1, live & live0)
+        acc0 += w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
+        v00, v01, v10, v11 = load_grid_corners(x_base + sc, r0, r1, c0, c1, live & live1)
+        acc1 += w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
+    return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)
 
 
 @triton.jit
@@ -192,12 +199,15 @@ def _roi_pool_fwd_kernel(
     out_r = out_ptr + r.to(tl.int64) * C * PH * PW
     if BINS_FAST and BLOCK_S > 0:  # (nested: a BLOCK_S of 0 must not reach the spread tile's code)
         if gh * gw >= 2 * BLOCK_S:
-            for ci in range(BLOCK_C):
+            count = (gh * gw).to(tl.float32)
+            for ci in range(0, BLOCK_C, 2):  # channel pairs (BLOCK_C is a power of two, at least 8)
                 c = tl.program_id(1) * BLOCK_C + ci
-                sums = _pool_spread_channel(x_ptr + b * sn + c.to(tl.int64) * sc, bins, bin_live & (c < C), sx, sy,
-                                            bin_w, bin_h, gh, gw, H, W, sh, sw, BLOCK_BINS, BLOCK_S)
-                tl.store(out_r + c.to(tl.int64) * (PH * PW) + bins,
-                         div(sums, (gh * gw).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
+                sums0, sums1 = _pool_spread_pair(x_ptr + b * sn + c.to(tl.int64) * sc, sc, bins, bin_live, c < C,
+                                                 c + 1 < C, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw, BLOCK_BINS,
+                                                 BLOCK_S)
+                dst = out_r + c.to(tl.int64) * (PH * PW) + bins
+                tl.store(dst, div(sums0, count).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
+                tl.store(dst + PH * PW, div(sums1, count).to(out_ptr.dtype.element_ty), mask=bin_ok & (c + 1 < C))
         else:
             _pool_block_store(x_ptr + b * sn, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h,
                               gh, gw, H, W, sh, sw, PH, PW, BLOCK_BINS, BLOCK_C, BINS_FAST)
