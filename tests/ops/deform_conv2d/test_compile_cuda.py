@@ -80,9 +80,9 @@ def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtyp
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
 def test_compiled_module_reads_its_offset_and_mask_as_traced(channels_last):
     """A compiled ModulatedDeformConv2dPack: its offset is a channel slice of the offset conv's output and its mask a
-    sigmoid of another, buffers whose strides Inductor chooses (and pads: here an image stride of 18·11·10 = 1980
-    elements, not a multiple of 32); the output and every gradient match the float64 module within fp32's
-    tolerance, as eager's do."""
+    sigmoid of another, buffers whose strides Inductor may set otherwise than traced (it may pad an image stride
+    such as this one, 18·11·10 = 1980 elements, not a multiple of 32, or pass the slice itself); the output and every
+    gradient match the float64 module within fp32's tolerance, as eager's do."""
     torch.manual_seed(0)
     mod = deformconv.ModulatedDeformConv2dPack(16, 24, 3, padding=1, stride=2).cuda()
     torch.nn.init.normal_(mod.conv_offset.weight, std=0.1)

@@ -6,10 +6,9 @@ channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along 
 bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels two
 at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a pixel apart,
 so a warp's loads share cache lines, where bins along the threads put each load in a line of its own; each sample's
-position and weights serve both channels. A backward
-program owns one RoI and loops over the channel blocks, so each bin's offset gradient is summed in registers and
-stored once; grad_input is added by atomics into an fp32 buffer (int64 fixed point in deterministic mode:
-common/fixed_point.py).
+position and weights serve both channels. A backward program owns one RoI and loops over the channel blocks, so each
+bin's offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer
+(int64 fixed point in deterministic mode: common/fixed_point.py).
 """
 
 from __future__ import annotations
