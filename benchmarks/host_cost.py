@@ -6,7 +6,10 @@ A tiny layer (default 2x16->16 at 8x8, 3x3, a mask) keeps the GPU far from busy,
 is the host's time per call. Rows: F.conv2d (the floor), torchvision.ops.deform_conv2d and deformconv, in plain
 eager (fp16, fp32), under autocast (bf16, fp16; fp32 inputs) and compiled (torch.compile, fullgraph, fp16; the op
 opaque, and decomposed into its kernels with DEFORMCONV_COMPILE_KERNELS=1), each the median of 7 loops; ratios
-against torchvision's. --profile writes cProfile's statistics of deformconv's fp16 forward+backward loop.
+against torchvision's. --profile writes cProfile's statistics of deformconv's fp16 forward+backward loop. --floor
+prints, in plain fp16, the floor any op written as a Python autograd.Function stands on: one that only allocates its
+output and its 5 gradients, and the same with 1 + 4 trivial Triton launches (as many as deform_conv2d's) through
+Triton's own launch path.
 """
 
 from __future__ import annotations
@@ -66,6 +69,71 @@ def python_profile(step, calls: int, device, rows: int, orders=("tottime",)) -> 
     return text.getvalue()
 
 
+class _EmptyOp(torch.autograd.Function):
+    """The floor of a Python op (--floor): the output and the 5 gradients allocated, nothing computed; with launches,
+    one trivial Triton kernel launched forward and four backward."""
+
+    @staticmethod
+    def forward(ctx, x, o, w, b, m, launches):
+        out = torch.empty((x.shape[0], w.shape[0], x.shape[2], x.shape[3]), dtype=x.dtype, device=x.device)
+        if launches:
+            _touch()[(1,)](out, N=16)
+        ctx.save_for_backward(x, o, w, m)
+        ctx.launches = launches
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        x, o, w, m = ctx.saved_tensors
+        grads = [torch.empty_like(x), torch.empty_like(o), torch.empty_like(w),
+                 torch.empty(w.shape[0], dtype=w.dtype, device=w.device), torch.empty_like(m)]
+        if ctx.launches:
+            for t in grads[:4]:
+                _touch()[(1,)](t, N=16)
+        return (*grads, None)
+
+
+def _touch():
+    """A trivial kernel (16 zeros stored), built on first use."""
+    global _TOUCH
+    if _TOUCH is None:
+        import triton
+        import triton.language as tl
+
+        @triton.jit
+        def touch(p, N: tl.constexpr):
+            tl.store(p + tl.arange(0, N), tl.zeros((N,), p.dtype.element_ty))
+
+        _TOUCH = touch
+    return _TOUCH
+
+
+_TOUCH = None
+
+
+def floor_rows(shape, calls: int, device) -> list:
+    """(name, fwd µs, fwd+bwd µs) of F.conv2d and the two empty Python ops, plain fp16."""
+    impls = {
+        "F.conv2d": lambda x, o, w, b, m: F.conv2d(x, w, b, padding=1),
+        "empty autograd.Function": lambda x, o, w, b, m: _EmptyOp.apply(x, o, w, b, m, False),
+        "the same, 5 Triton launches": lambda x, o, w, b, m: _EmptyOp.apply(x, o, w, b, m, True),
+    }
+    rows = []
+    for name, impl in impls.items():
+        times = []
+        for grad in (False, True):
+            leaves = _inputs(shape, torch.float16, device, grad)
+
+            def step():
+                out = impl(*leaves)
+                if grad:
+                    out.backward(torch.ones_like(out))
+
+            times.append(_loop_us(step, calls, device))
+        rows.append((name, *times))
+    return rows
+
+
 def main(argv=None):
     import torchvision
 
@@ -77,6 +145,7 @@ def main(argv=None):
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--profile", help="write cProfile stats of deformconv's fp16 fwd+bwd loop here")
     ap.add_argument("--out", help="write the rows as JSON here")
+    ap.add_argument("--floor", action="store_true", help="also print the floor of a Python op (see the docstring)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -129,6 +198,10 @@ def main(argv=None):
             ratio = f"{ours / tv:.2f}" if tv and ours else "-"
             cells += [fmt(conv), fmt(tv), fmt(ours), ratio]
         print(f"| {label} | " + " | ".join(cells) + " |")
+    if args.floor:
+        print("\nThe floor of a Python op (fp16, us a call):\n\n| op | fwd | fwd+bwd |\n|---|---|---|")
+        for name, fwd, both in floor_rows(shape, args.calls, device):
+            print(f"| {name} | {fwd:.0f} | {both:.0f} |")
     if args.out:
         env = dict(environment("cuda"), timer=f"median of 7 loops of {args.calls} calls, wall time per call, GPU idle",
                    layer=f"{shape}, 3x3, mask")
