@@ -83,10 +83,12 @@ def test_modulated_pack_learns_offsets_and_mask():
 @pytest.mark.parametrize("device,backend", [("cpu", "cpu"), pytest.param("cpu", "triton", marks=requires_interpreter),
                                             pytest.param("cuda", "auto", marks=requires_cuda)],
                          ids=["cpu", "interpreter", "cuda"])
-def test_modulated_pack_split_node_equals_torchs_ops(monkeypatch, channels_last, autocast, device, backend):
-    """The eager split of the offset conv's output (one autograd node, eager.split_offset_mask) gives the output and
-    every gradient of torch's own slices and sigmoid; also where only the mask or only the offset is used. Exactly on
-    the CPU; on a GPU within rounding (grad_input's float atomics add in any order)."""
+def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last, autocast, device, backend):
+    """A modulated layer's eager forward takes its offset conv's output into one autograd node (split and op:
+    functional.modulated_from_offset_conv); where that does not apply, the split is one node (split_offset_mask)
+    beside the op's. Both give the output and every gradient of torch's own slices and sigmoid; offset_and_mask's
+    split node too, also where only the mask or only the offset is used. Exactly on the CPU; on a GPU within rounding
+    (grad_input's float atomics add in any order)."""
     if backend == "triton" and autocast:
         pytest.skip("bfloat16 under Triton's interpreter runs on the cpu backend")
     monkeypatch.setenv("DEFORMCONV_BACKEND", backend)
@@ -98,21 +100,49 @@ def test_modulated_pack_split_node_equals_torchs_ops(monkeypatch, channels_last,
     if channels_last:
         x, layer = x.contiguous(memory_format=torch.channels_last), layer.to(memory_format=torch.channels_last)
     gout = torch.randn(2, 5, 5, 6, device=device)
+    one_node, split_node = deformconv.modules.modulated_from_offset_conv, deformconv.eager.split_offset_mask
 
-    def run(split):
+    def run(fused, split):
+        monkeypatch.setattr(deformconv.modules, "modulated_from_offset_conv", fused)
         monkeypatch.setattr(deformconv.modules, "split_offset_mask", split)
         leaves = [x.clone().requires_grad_(True), *layer.parameters()]
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = layer(leaves[0])
             offset, mask = layer.offset_and_mask(leaves[0])
+        node = type(out.grad_fn).__name__
         grads = torch.autograd.grad(out, leaves, gout.to(out.dtype))
         only_mask = torch.autograd.grad(mask.float().square().sum(), leaves[0], retain_graph=True)
         only_offset = torch.autograd.grad(offset.float().square().sum(), leaves[0])
-        return out, offset, mask, *grads, *only_mask, *only_offset
+        return node, (out, offset, mask, *grads, *only_mask, *only_offset)
 
-    fast = run(deformconv.eager.split_offset_mask)
-    plain = run(lambda out, n_off: None)
-    assert fast[1].is_contiguous() and fast[2].is_contiguous()
+    node, fused = run(one_node, split_node)
+    assert node == "ModulatedDeformConv2dFunctionBackward", node
+    _, split = run(lambda *args: None, split_node)
+    _, plain = run(lambda *args: None, lambda out, n_off: None)
+    assert split[1].is_contiguous() and split[2].is_contiguous()
     exact = dict(atol=0, rtol=0) if device == "cpu" else {}
-    for a, b in zip(fast, plain):
-        torch.testing.assert_close(a, b, **exact)
+    for a, b, c in zip(fused, split, plain):
+        torch.testing.assert_close(a, c, **exact)
+        torch.testing.assert_close(b, c, **exact)
+
+
+def test_modulated_pack_one_node_takes_the_offset_convs_output():
+    """The eager layer's node reads the offset conv's output directly (no split node between them), in training and
+    without gradients alike the output is the two-step one; under autocast an offset conv output that is not in
+    the autocast dtype takes the two-step path (its split runs before the cast)."""
+    torch.manual_seed(1)
+    layer = deformconv.ModulatedDeformConv2dPack(3, 4, 3, padding=1)
+    torch.nn.init.normal_(layer.conv_offset.weight, std=0.3)
+    x = torch.randn(2, 3, 7, 6)
+    out = layer(x)
+    assert [type(f).__name__ for f, _ in out.grad_fn.next_functions[:4]] == [
+        "NoneType", "ConvolutionBackward0", "AccumulateGrad", "AccumulateGrad"]
+    offset, mask = layer.offset_and_mask(x)
+    two_step = deformconv.deform_conv2d(x, offset, layer.weight, layer.bias, 1, 1, 1, mask)
+    torch.testing.assert_close(out, two_step, atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), two_step, atol=0, rtol=0)
+    om = torch.randn(2, 27, 7, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert deformconv.functional.modulated_from_offset_conv(x, om, 18, layer.weight, layer.bias, [1, 1], [1, 1],
+                                                                [1, 1]) is None

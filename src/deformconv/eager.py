@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from .checks import PLAIN_TENSOR_TYPES, suggest_memory_format
+from .checks import PLAIN_TENSOR_TYPES, check_deform_conv2d_args, suggest_memory_format
 from .library import _setup_context, backward_impl, forward_impl, input_grads
 
 _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(d)])
@@ -129,15 +129,38 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
     return without_autocast(device_type, forward, *args)  # no autograd node (inference)
 
 
+def split_into(out: Tensor, n_off: int):
+    """(offset, mask) of a modulated layer's offset conv output [N, C, H, W]: its first n_off channels as a contiguous
+    copy and the sigmoid of the others written into a fresh buffer (two GPU kernels), as the kernels read them."""
+    n, c, h, w = out.shape
+    offset = out[:, :n_off].contiguous()
+    mask = torch.empty((n, c - n_off, h, w), dtype=out.dtype, device=out.device)
+    torch.sigmoid(out[:, n_off:], out=mask)
+    return offset, mask
+
+
+def joined_grad(shape, memory_format, n_off: int, mask: Tensor, grad_offset: Optional[Tensor],
+                grad_mask: Optional[Tensor]) -> Tensor:
+    """The gradient of split_into's input from those of its outputs (None: zero), in the input's memory format (two
+    GPU kernels)."""
+    grad = torch.empty(shape, dtype=mask.dtype, device=mask.device, memory_format=memory_format)
+    if grad_offset is None:
+        grad[:, :n_off].zero_()
+    else:
+        grad[:, :n_off].copy_(grad_offset)
+    if grad_mask is None:
+        grad[:, n_off:].zero_()
+    else:
+        torch.ops.aten.sigmoid_backward.grad_input(grad_mask, mask, grad_input=grad[:, n_off:])
+    return grad
+
+
 class _SplitOffsetMask(torch.autograd.Function):
     """split_offset_mask's autograd node."""
 
     @staticmethod
     def forward(ctx, out: Tensor, n_off: int):
-        n, c, h, w = out.shape
-        offset = out[:, :n_off].contiguous()
-        mask = torch.empty((n, c - n_off, h, w), dtype=out.dtype, device=out.device)
-        torch.sigmoid(out[:, n_off:], out=mask)
+        offset, mask = split_into(out, n_off)
         ctx.save_for_backward(mask)
         ctx.n_off, ctx.shape, ctx.memory_format = n_off, out.shape, suggest_memory_format(out)
         return offset, mask
@@ -146,16 +169,7 @@ class _SplitOffsetMask(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_offset, grad_mask):
         (mask,) = ctx.saved_tensors
-        grad = torch.empty(ctx.shape, dtype=mask.dtype, device=mask.device, memory_format=ctx.memory_format)
-        if grad_offset is None:
-            grad[:, :ctx.n_off].zero_()
-        else:
-            grad[:, :ctx.n_off].copy_(grad_offset)
-        if grad_mask is None:
-            grad[:, ctx.n_off:].zero_()
-        else:
-            torch.ops.aten.sigmoid_backward.grad_input(grad_mask, mask, grad_input=grad[:, ctx.n_off:])
-        return grad, None
+        return joined_grad(ctx.shape, ctx.memory_format, ctx.n_off, mask, grad_offset, grad_mask), None
 
 
 def split_offset_mask(out: Tensor, n_off: int):
@@ -167,3 +181,40 @@ def split_offset_mask(out: Tensor, n_off: int):
     if not fast_path_ok([out]):
         return None
     return _SplitOffsetMask.apply(out, n_off)
+
+
+class ModulatedDeformConv2dFunction(torch.autograd.Function):
+    """A modulated layer's deform_conv2d taken from its offset conv's output in one autograd node: split_into, the
+    argument checks and DeformConv2dFunction's forward; backward, DeformConv2dFunction's and joined_grad. One node a
+    layer where the split and the op took two: each Python node costs host time of its own both ways
+    (benchmarks/README.md, the floor of a Python op). Arguments: input, out, weight, bias (already cast under
+    autocast), n_off, stride, padding, dilation (lists), backend, and whether autocast is on."""
+
+    @staticmethod
+    def forward(ctx, input, out, weight, bias, n_off, stride, padding, dilation, backend, autocasting):
+        offset, mask = split_into(out, n_off)
+        check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask,
+                                 allow_mixed_dtypes=autocasting)
+        args = (input, offset, weight, bias, mask, stride, padding, dilation, backend)
+        keep = {} if any(ctx.needs_input_grad[:4]) else None
+        result = without_autocast("cuda" if input.is_cuda else "cpu", forward_impl, *args, keep=keep)
+        _setup_context(ctx, args, result, keep)
+        ctx.n_off, ctx.shape, ctx.memory_format = n_off, out.shape, suggest_memory_format(out)
+        return result
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_result):
+        n_in, n_out, n_w, n_b = (bool(n) for n in ctx.needs_input_grad[:4])
+        saved = ctx.saved_tensors  # read once (activation checkpointing allows no more)
+        input, offset, weight, mask = saved[:4]
+        stride, padding, dilation, backend = ctx.params
+        needs = [n_in, n_out, n_out, n_w, n_b and ctx.has_bias]  # input, offset, mask, weight, bias
+        g_in = g_out = g_w = g_b = None
+        if any(needs):
+            g_in, g_off, g_mask, g_w, g_b = backward_impl(grad_result, input, offset, weight, mask, stride, padding,
+                                                          dilation, needs, backend,
+                                                          keep=dict(zip(ctx.kept_names, saved[4:])))
+            if n_out:
+                g_out = joined_grad(ctx.shape, ctx.memory_format, ctx.n_off, mask, g_off, g_mask)
+        return g_in, g_out, g_w, g_b, None, None, None, None, None, None

@@ -11,7 +11,8 @@ from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
-from .eager import DeformConv2dFunction, fast_path_ok, forward_without_grad, needs_grad
+from .eager import (DeformConv2dFunction, ModulatedDeformConv2dFunction, fast_path_ok, forward_without_grad,
+                    needs_grad, split_into)
 from .library import _backend_for, autocast_inputs
 
 
@@ -109,6 +110,31 @@ def deform_conv2d(
     if fast_path_ok(tensors):  # plain eager: the same impls, without the dispatcher
         return DeformConv2dFunction.apply(*args) if needs_grad(tensors) else forward_without_grad(args)
     return torch.ops.deformconv.deform_conv2d(*args)
+
+
+def modulated_from_offset_conv(input: Tensor, out: Tensor, n_off: int, weight: Tensor, bias: Optional[Tensor],
+                               stride: List[int], padding: List[int], dilation: List[int]) -> Optional[Tensor]:
+    """A modulated layer's deform_conv2d from its offset conv's output ``out``: offsets its first n_off channels, the
+    mask the sigmoid of the others; in one autograd node (eager.ModulatedDeformConv2dFunction). None where the call
+    must take the split and deform_conv2d one after the other (they give the same result): not a plain eager call
+    (fast_path_ok), or under autocast an ``out`` not in the autocast dtype (the split runs in out's dtype, the cast
+    after it)."""
+    autocasting = _autocasting(input)
+    tensors = [input, out, weight, bias]
+    if autocasting:
+        device_type = input.device.type
+        if out.dtype != torch.get_autocast_dtype(device_type):
+            return None
+        tensors = _autocast([input, out, weight, bias, None], device_type, None)[:4]
+    if not fast_path_ok(tensors):
+        return None
+    if needs_grad(tensors):
+        return ModulatedDeformConv2dFunction.apply(*tensors, n_off, stride, padding, dilation, "", autocasting)
+    input, out, weight, bias = tensors
+    offset, mask = split_into(out, n_off)
+    check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask,
+                             allow_mixed_dtypes=autocasting)
+    return forward_without_grad((input, offset, weight, bias, mask, stride, padding, dilation, ""))
 
 
 def _onnx_node(input, offset, weight, bias, mask, stride, padding, dilation) -> Tensor:

@@ -10,8 +10,8 @@ import torch
 from torch import Tensor, nn
 
 from .checks import IntPair, pair
-from .eager import split_offset_mask
-from .functional import deform_conv2d, deform_conv2d_script
+from .eager import fast_path_ok, split_offset_mask
+from .functional import deform_conv2d, deform_conv2d_script, modulated_from_offset_conv
 
 
 class DeformConv2d(nn.Module):
@@ -229,5 +229,26 @@ class ModulatedDeformConv2dPack(_PackBase):
         return split_offset_mask(out, n_off)
 
     def forward(self, input: Tensor) -> Tensor:  # type: ignore[override]
+        if not torch.jit.is_scripting():
+            out = self._forward_eagerly(input)
+            if out is not None:
+                return out
         offset, mask = self.offset_and_mask(input)
+        return self._deform(input, offset, mask)
+
+    @torch.jit.unused
+    def _forward_eagerly(self, input: Tensor) -> Optional[Tensor]:
+        """The offset conv, then the split and the op in one autograd node (functional.modulated_from_offset_conv)
+        where that applies, else one after the other; None, before anything runs, where the call is not a plain eager
+        one (fast_path_ok: under torch.compile and the like, forward takes offset_and_mask and _deform)."""
+        if not fast_path_ok([input]):
+            return None
+        out = self.conv_offset(input)
+        n_off = 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
+        result = modulated_from_offset_conv(input, out, n_off, self.weight, self.bias, list(self.stride),
+                                            list(self.padding), list(self.dilation))
+        if result is not None:
+            return result
+        split = split_offset_mask(out, n_off)
+        offset, mask = split if split is not None else (out[:, :n_off], torch.sigmoid(out[:, n_off:]))
         return self._deform(input, offset, mask)
