@@ -215,13 +215,20 @@ class ModulatedDeformConv2dPack(_PackBase):
 
     def offset_and_mask(self, input: Tensor) -> Tuple[Tensor, Tensor]:
         """The learned ``(offset, mask)`` for this input."""
-        out = self.conv_offset(input)
-        n_off = 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
+        return self._split(self.conv_offset(input))
+
+    def _split(self, out: Tensor) -> Tuple[Tensor, Tensor]:
+        """(offset, mask) of the offset conv's output: its first 2·offset_groups·kh·kw channels, the sigmoid of the
+        rest."""
+        n_off = self._offset_channels()
         if not torch.jit.is_scripting():
             split = self._split_eagerly(out, n_off)
             if split is not None:
                 return split
         return out[:, :n_off], torch.sigmoid(out[:, n_off:])
+
+    def _offset_channels(self) -> int:
+        return 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
 
     @torch.jit.unused
     def _split_eagerly(self, out: Tensor, n_off: int) -> Optional[Tuple[Tensor, Tensor]]:
@@ -244,11 +251,9 @@ class ModulatedDeformConv2dPack(_PackBase):
         if not fast_path_ok([input]):
             return None
         out = self.conv_offset(input)
-        n_off = 2 * self.offset_groups * self.kernel_size[0] * self.kernel_size[1]
-        result = modulated_from_offset_conv(input, out, n_off, self.weight, self.bias, list(self.stride),
-                                            list(self.padding), list(self.dilation))
+        result = modulated_from_offset_conv(input, out, self._offset_channels(), self.weight, self.bias,
+                                            list(self.stride), list(self.padding), list(self.dilation))
         if result is not None:
             return result
-        split = split_offset_mask(out, n_off)
-        offset, mask = split if split is not None else (out[:, :n_off], torch.sigmoid(out[:, n_off:]))
+        offset, mask = self._split(out)
         return self._deform(input, offset, mask)
