@@ -372,3 +372,13 @@ def test_automatic_backend_and_errors():
         select(torch.device("cpu"), torch.float32, "cpu", ROI_BACKENDS)
     with pytest.raises(ValueError, match="backend must be one of"):
         select(torch.device("cpu"), torch.float32, "cuda")
+
+
+def test_meta_tensors_get_the_fake_impl():
+    """Meta tensors (a device type autocast does not know) take the op and its fake implementation: shapes only."""
+    x = torch.empty(2, 5, 6, 8, device="meta")
+    offset, mask = torch.empty(2, 5, 6, 4 * 9 * 2, device="meta"), torch.empty(2, 5, 6, 4 * 9, device="meta")
+    out3 = deformconv.dcnv3(x, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 4, 2, 1.0)
+    out4 = deformconv.dcnv4(x, torch.empty(2, 5, 6, 112, device="meta"), 3, 3, 1, 1, 1, 1, 1, 1, 4, 2, 1.0)
+    assert out3.device.type == out4.device.type == "meta"
+    assert out3.shape == out4.shape == (2, 5, 6, 8)

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .backends import op_backend_name
 from .checks import check_once
-from .eager import run_eager
+from .eager import autocasting, run_eager
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
 
@@ -48,11 +48,6 @@ def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, 
     return geo
 
 
-def _autocasting(input) -> bool:
-    """Whether autocast is on for input's device (_check_tensor's dtype rule depends on it)."""
-    return isinstance(input, Tensor) and torch.is_autocast_enabled(input.device.type)
-
-
 def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_least: bool = False) -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
@@ -63,7 +58,7 @@ def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_l
         raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
     if t.device != input.device:
         raise ValueError(f"{name} must be on input's device {input.device}, got {t.device}")
-    if t.dtype != input.dtype and not torch.is_autocast_enabled(input.device.type):
+    if t.dtype != input.dtype and not autocasting(input):
         raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
 
 
@@ -111,7 +106,7 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
         _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
         return geo
 
-    geo = check_once("dcnv3", (input, offset, mask), check, params + (_autocasting(input),))
+    geo = check_once("dcnv3", (input, offset, mask), check, params + (autocasting(input),))  # (the dtype rule depends on it)
     args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
@@ -154,7 +149,7 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
                       last_at_least=True)
         return geo
 
-    geo = check_once("dcnv4", (input, offset_mask), check, params + (_autocasting(input),))
+    geo = check_once("dcnv4", (input, offset_mask), check, params + (autocasting(input),))  # (the dtype rule depends on it)
     args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)

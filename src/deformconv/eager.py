@@ -27,6 +27,17 @@ _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["A
 _FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
 
 
+def autocasting(input) -> bool:
+    """Whether autocast is on for input's device type (False for a non-tensor, or a device type autocast does not
+    know: meta, ...)."""
+    if not isinstance(input, Tensor):
+        return False
+    try:
+        return torch.is_autocast_enabled(input.device.type)
+    except RuntimeError:
+        return False
+
+
 def without_autocast(device_type: str, fn, *args, **kwargs):
     """fn(*args, **kwargs) with autocast off on device_type where it is on: the inputs are cast already, and inside,
     as in the ops' autocast rule (library.py), autocast is off. (No guard where autocast is off: calls pay for it.)"""

@@ -11,18 +11,9 @@ from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
-from .eager import (DeformConv2dFunction, ModulatedDeformConv2dFunction, fast_path_ok, forward_without_grad,
-                    needs_grad, split_into)
+from .eager import (DeformConv2dFunction, ModulatedDeformConv2dFunction, autocasting, fast_path_ok,
+                    forward_without_grad, needs_grad, split_into)
 from .library import _backend_for, autocast_inputs
-
-
-def _autocasting(input) -> bool:
-    if not isinstance(input, Tensor):
-        return False
-    try:
-        return torch.is_autocast_enabled(input.device.type)
-    except RuntimeError:  # a device type autocast does not know (meta, ...)
-        return False
 
 
 def _autocast(tensors: List[Optional[Tensor]], device_type: str, backend: Optional[str]) -> List[Optional[Tensor]]:
@@ -97,14 +88,14 @@ def deform_conv2d(
                                                   backend or "")
     if _onnx.emits_symbolic():  # inside torch.onnx.export (dynamo): the standard DeformConv node
         return _onnx_node(input, offset, weight, bias, mask, stride, padding, dilation)
-    autocasting = _autocasting(input)
+    autocast_on = autocasting(input)
     geo = check_deform_conv2d_args(
-        input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocasting
+        input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocast_on
     )
     if backend is not None:
         get_backend(backend)  # unknown names fail here, with the list of known ones
     tensors = [input, offset, weight, bias, mask]
-    if autocasting:
+    if autocast_on:
         tensors = _autocast(tensors, input.device.type, backend)
     args = (*tensors, list(geo.stride), list(geo.padding), list(geo.dilation), backend or "")
     if fast_path_ok(tensors):  # plain eager: the same impls, without the dispatcher
@@ -119,9 +110,9 @@ def modulated_from_offset_conv(input: Tensor, out: Tensor, n_off: int, weight: T
     must take the split and deform_conv2d one after the other (they give the same result): not a plain eager call
     (fast_path_ok), or under autocast an ``out`` not in the autocast dtype (the split runs in out's dtype, the cast
     after it)."""
-    autocasting = _autocasting(input)
+    autocast_on = autocasting(input)
     tensors = [input, out, weight, bias]
-    if autocasting:
+    if autocast_on:
         device_type = input.device.type
         if out.dtype != torch.get_autocast_dtype(device_type):
             return None
@@ -129,11 +120,11 @@ def modulated_from_offset_conv(input: Tensor, out: Tensor, n_off: int, weight: T
     if not fast_path_ok(tensors):
         return None
     if needs_grad(tensors):
-        return ModulatedDeformConv2dFunction.apply(*tensors, n_off, stride, padding, dilation, "", autocasting)
+        return ModulatedDeformConv2dFunction.apply(*tensors, n_off, stride, padding, dilation, "", autocast_on)
     input, out, weight, bias = tensors
     offset, mask = split_into(out, n_off)
     check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask,
-                             allow_mixed_dtypes=autocasting)
+                             allow_mixed_dtypes=autocast_on)
     return forward_without_grad((input, offset, weight, bias, mask, stride, padding, dilation, ""))
 
 
