@@ -126,19 +126,20 @@ def test_triton_matches_the_reference(dtype, channels_last, sampling_ratio):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("width", [0, 4, 8])
-def test_triton_forward_spread_tile_widths(width):
-    """Adaptive sampling with the forward's spread tile at any width (options.roi_spread; 0: none) gives the
-    reference result: widths 4 and 8 (RoIs of 8 and 16 samples a bin or more) split this case's RoIs differently
-    between the two tiles; 7 channels, so the spread tile's last channel pair has one channel."""
+@pytest.mark.parametrize("width,planes", [(0, None), (4, 2), (8, 2), (4, 1), (4, 4), (8, 4)])
+def test_triton_forward_spread_tile_widths(width, planes):
+    """Adaptive sampling with the forward's spread tile at any width (options.roi_spread; 0: none) and any channels a
+    pass (options.roi_planes) gives the reference result: widths 4 and 8 (RoIs of 8 and 16 samples a bin or more)
+    split this case's RoIs differently between the two tiles; 7 channels, so the spread tile's last pass has fewer
+    channels than it takes."""
     from deformconv.config import options
 
     x, rois, offset = _case(seed=5, c=7)
     ref = deformconv.deform_roi_pool(x, rois, offset, (3, 4), 0.5, 0, 0.1, backend="reference")
-    with options.override(roi_spread=width):
+    with options.override(roi_spread=width, roi_planes=planes):
         ours = deformconv.deform_roi_pool(x.float(), rois.float(), offset.float(), (3, 4), 0.5, 0, 0.1,
                                           backend="triton")
-    assert_close(ours, ref, torch.float32, f"output (width {width})")
+    assert_close(ours, ref, torch.float32, f"output (width {width}, {planes} planes)")
 
 
 @requires_interpreter

@@ -4,12 +4,12 @@ pooling (bench_roi_pool.py's). One run compares the defaults with the other cand
 keeps the outcome.
 
     python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--families ...] [--tiles 1024x4 ...]
-                                            [--unrolled] [--roi-spread 0 8 32] [--out PATH]
+                                            [--unrolled] [--roi-spread 0 8 32] [--roi-planes 1 4] [--out PATH]
 
 Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
 default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' point loops unrolled
 (options.unroll_points); --roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread,
-0: none).
+0: none), --roi-planes with other numbers of channels the spread tile takes a pass (options.roi_planes).
 """
 
 from __future__ import annotations
@@ -75,6 +75,8 @@ def main(argv=None):
                     "unrolled (options.unroll_points): columns unrolled_fwd_ms, unrolled_fb_ms")
     ap.add_argument("--roi-spread", nargs="*", type=int, default=[],
                     help="RoI pooling's forward spread tile widths to time beside the default (0: none)")
+    ap.add_argument("--roi-planes", nargs="*", type=int, default=[],
+                    help="RoI pooling's channels a pass of the spread tile to time beside the default (1, 2, 4)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -92,6 +94,7 @@ def main(argv=None):
                 variants.append(("unrolled", dict(unroll_points=True)))
             if family == "roi_pool":
                 variants += [(f"spread{n}", dict(roi_spread=n)) for n in args.roi_spread]
+                variants += [(f"planes{n}", dict(roi_planes=n)) for n in args.roi_planes]
             for key, changes in variants:
                 with options.override(**changes):
                     try:
@@ -106,7 +109,8 @@ def main(argv=None):
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
           "family's default tile (elements x warps)\n")
     timed = unique_tiles(["{}x{}".format(*defaults[f]) for f in args.families] + args.tiles)
-    columns = timed + (["unrolled"] if args.unrolled else []) + [f"spread{n}" for n in args.roi_spread]
+    columns = (timed + (["unrolled"] if args.unrolled else []) + [f"spread{n}" for n in args.roi_spread]
+               + [f"planes{n}" for n in args.roi_planes])
     print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:

@@ -163,6 +163,7 @@ class Options:
     unroll_points: bool = False  # the DCNv3/DCNv4 and attention forwards' point loops unrolled (tl.static_range)
     roi_spread: Optional[int] = None  # samples of a bin side by side in RoI pooling's forward spread tile (0: never;
                                       # None: roi_pool/triton.py's BLOCK_S)
+    roi_planes: Optional[int] = None  # channels the spread tile takes a pass (1, 2, 4; None: SPREAD_PLANES)
     caches: Dict[str, dict] = field(default_factory=dict, repr=False)
 
     def cache(self, name: str) -> dict:

@@ -3,10 +3,10 @@
 The input is read in place through its strides (NCHW or channels_last). A forward program owns one RoI and BLOCK_C
 channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along the threads, for an NCHW input;
 [BLOCK_BINS, BLOCK_C] for channels_last), looping over the RoI's own sample grid (adaptive sampling: runtime loop
-bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels two
-at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a pixel apart,
-so a warp's loads share cache lines, where bins along the threads put each load in a line of its own; each sample's
-position and weights serve both channels. A backward program owns one RoI and loops over the channel blocks, so each
+bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels
+SPREAD_PLANES at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a
+pixel apart, so a warp's loads share cache lines, where bins along the threads put each load in a line of its own;
+each sample's position and weights serve every channel of the pass. A backward program owns one RoI and loops over the channel blocks, so each
 bin's offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer
 (int64 fixed point in deterministic mode: common/fixed_point.py).
 """
@@ -36,6 +36,9 @@ TILE = (1024, 8)
 # samples a bin take it: the last BLOCK_S of a bin's samples are partly masked lanes, so from two tiles on at least
 # two thirds of the lanes load; RoIs with fewer samples keep the [BLOCK_C, BLOCK_BINS] tile.
 BLOCK_S = 16
+# Channel planes the spread tile takes a pass: each sample's position, weights and flags serve them all. Two: at four
+# the forward compiles to 172 registers a thread (one 8-warp program an SM where two fit) and is slower (docs/tuning.md).
+SPREAD_PLANES = 2
 
 
 def _blocks(bins: int, channels: int) -> Tuple[int, int, int]:
@@ -148,15 +151,25 @@ def _pool_block_store(x_image, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, 
 
 
 @triton.jit
-def _pool_spread_pair(x_base, sc, bins, bin_live, live0, live1, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
-                      BLOCK_BINS: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The sums [BLOCK_BINS] of two neighbouring channel planes (x_base, x_base + sc; live0 / live1: whether each is a
-    channel): each bin's samples BLOCK_S at a time, along the threads (sample s of a bin is grid point (s // gw,
-    s % gw)). Each sample's position, weights and flags serve both planes' loads."""
+def _blend(base, r0, r1, c0, c1, live, w00, w01, w10, w11):
+    """One channel plane's bilinear samples at corners (r0 | r1) + (c0 | c1), weighted: w00·v00 + ... + w11·v11."""
+    v00, v01, v10, v11 = load_grid_corners(base, r0, r1, c0, c1, live)
+    return w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
+
+
+@triton.jit
+def _pool_spread(x_base, sc, c_left, bins, bin_live, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
+                 BLOCK_BINS: tl.constexpr, BLOCK_S: tl.constexpr, PLANES: tl.constexpr):
+    """The sums [BLOCK_BINS] of PLANES (1, 2 or 4) neighbouring channel planes x_base + p·sc (those with p < c_left
+    are channels; the others read nothing and sum to zero): each bin's samples BLOCK_S at a time, along the threads
+    (sample s of a bin is grid point (s // gw, s % gw)). Each sample's position, weights and flags serve every
+    plane's loads."""
     n_s = gh * gw
     offs_s = tl.arange(0, BLOCK_S)
     acc0 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
     acc1 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_BINS, BLOCK_S), dtype=tl.float32)
     for s0 in range(0, n_s, BLOCK_S):
         s = s0 + offs_s
         iy = s // gw
@@ -166,11 +179,13 @@ def _pool_spread_pair(x_base, sc, bins, bin_live, live0, live1, sx, sy, bin_w, b
         live = bin_live[:, None] & (s < n_s)[None, :] & in_y & in_x
         r0, r1, c0, c1 = yl * sh, yh * sh, xl * sw, xh * sw
         w00, w01, w10, w11 = wyl * wxl, wyl * wxh, wyh * wxl, wyh * wxh
-        v00, v01, v10, v11 = load_grid_corners(x_base, r0, r1, c0, c1, live & live0)
-        acc0 += w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
-        v00, v01, v10, v11 = load_grid_corners(x_base + sc, r0, r1, c0, c1, live & live1)
-        acc1 += w00 * v00 + w01 * v01 + w10 * v10 + w11 * v11
-    return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1)
+        acc0 += _blend(x_base, r0, r1, c0, c1, live & (c_left > 0), w00, w01, w10, w11)
+        if PLANES >= 2:
+            acc1 += _blend(x_base + sc, r0, r1, c0, c1, live & (c_left > 1), w00, w01, w10, w11)
+        if PLANES >= 4:
+            acc2 += _blend(x_base + 2 * sc, r0, r1, c0, c1, live & (c_left > 2), w00, w01, w10, w11)
+            acc3 += _blend(x_base + 3 * sc, r0, r1, c0, c1, live & (c_left > 3), w00, w01, w10, w11)
+    return tl.sum(acc0, axis=1), tl.sum(acc1, axis=1), tl.sum(acc2, axis=1), tl.sum(acc3, axis=1)
 
 
 @triton.jit
@@ -185,6 +200,7 @@ def _roi_pool_fwd_kernel(
     BINS_FAST: tl.constexpr,  # the tile [BLOCK_C, BLOCK_BINS], bins along the threads (an input whose channels are
                               # planes apart: neighbouring bins' samples lie near each other); else [BLOCK_BINS, BLOCK_C]
     BLOCK_S: tl.constexpr,    # (BINS_FAST) RoIs with 2·BLOCK_S or more samples a bin take the spread tile; 0: none
+    PLANES: tl.constexpr,     # channels the spread tile takes a pass (1, 2, 4)
 ):
     """out[r, c, i, j] = the mean of bin (i, j)'s bilinear samples of channel c. Grid: (R, channel blocks)."""
     r = tl.program_id(0)
@@ -199,14 +215,19 @@ def _roi_pool_fwd_kernel(
     if BINS_FAST and BLOCK_S > 0:  # (nested: a BLOCK_S of 0 must not reach the spread tile's code)
         if gh * gw >= 2 * BLOCK_S:
             count = (gh * gw).to(tl.float32)
-            for ci in range(0, BLOCK_C, 2):  # channel pairs (BLOCK_C is a power of two, at least 8)
+            for ci in range(0, BLOCK_C, PLANES):  # PLANES channels a pass (BLOCK_C: a power of two, at least 8)
                 c = tl.program_id(1) * BLOCK_C + ci
-                sums0, sums1 = _pool_spread_pair(x_ptr + b * sn + c.to(tl.int64) * sc, sc, bins, bin_live, c < C,
-                                                 c + 1 < C, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw, BLOCK_BINS,
-                                                 BLOCK_S)
+                sums0, sums1, sums2, sums3 = _pool_spread(x_ptr + b * sn + c.to(tl.int64) * sc, sc, C - c, bins,
+                                                          bin_live, sx, sy, bin_w, bin_h, gh, gw, H, W, sh, sw,
+                                                          BLOCK_BINS, BLOCK_S, PLANES)
                 dst = out_r + c.to(tl.int64) * (PH * PW) + bins
-                tl.store(dst, div(sums0, count).to(out_ptr.dtype.element_ty), mask=bin_ok & (c < C))
-                tl.store(dst + PH * PW, div(sums1, count).to(out_ptr.dtype.element_ty), mask=bin_ok & (c + 1 < C))
+                dtype = out_ptr.dtype.element_ty
+                tl.store(dst, div(sums0, count).to(dtype), mask=bin_ok & (c < C))
+                if PLANES >= 2:
+                    tl.store(dst + PH * PW, div(sums1, count).to(dtype), mask=bin_ok & (c + 1 < C))
+                if PLANES >= 4:
+                    tl.store(dst + 2 * PH * PW, div(sums2, count).to(dtype), mask=bin_ok & (c + 2 < C))
+                    tl.store(dst + 3 * PH * PW, div(sums3, count).to(dtype), mask=bin_ok & (c + 3 < C))
         else:
             _pool_block_store(x_ptr + b * sn, out_r, offs_c, c_ok, sc, bins, bin_ok, bin_live, sx, sy, bin_w, bin_h,
                               gh, gw, H, W, sh, sw, PH, PW, BLOCK_BINS, BLOCK_C, BINS_FAST)
@@ -310,7 +331,8 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
     off = offset.contiguous() if offset is not None else rois
     run_cached(_roi_pool_fwd_kernel, (R, ceil_div(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
                (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)),
-               dict(meta, BINS_FAST=bins_fast(input), BLOCK_S=spread_samples(sampling_ratio)))
+               dict(meta, BINS_FAST=bins_fast(input), BLOCK_S=spread_samples(sampling_ratio),
+                    PLANES=options.roi_planes or SPREAD_PLANES))
     return out
 
 
