@@ -67,6 +67,11 @@ def _ddp_worker(rank, world, init_file, out_dir):
         sl = slice(rank * share, (rank + 1) * share)
         F.cross_entropy(ddp(x[sl]), y[sl]).backward()  # DDP averages over the ranks: the mean over the whole batch
         torch.save({name: p.grad for name, p in net.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        # DDP's reducer holds gloo work and its tensors: released here, with both ranks past their last collective,
+        # rather than by gloo's threads during the interpreter's exit (a worker aborted there once under CI's load:
+        # "terminate called without an active exception"; pytorch#179291 describes that exit)
+        dist.barrier()
+        del ddp
     finally:
         dist.destroy_process_group()
 
