@@ -142,6 +142,16 @@ def test_triton_forward_spread_tile_widths(width, planes):
     assert_close(ours, ref, torch.float32, f"output (width {width}, {planes} planes)")
 
 
+def test_spread_planes_other_than_1_2_4_are_refused():
+    """A pass of 3 channels would leave every third channel unwritten: refused, naming the option."""
+    from deformconv.config import options
+    from deformconv.ops.roi_pool.triton import spread_planes
+
+    with options.override(roi_planes=3):
+        with pytest.raises(ValueError, match="roi_planes must be 1, 2 or 4"):
+            spread_planes()
+
+
 @requires_interpreter
 def test_triton_deterministic_mode_is_reproducible_and_right():
     x, rois, offset = _case(seed=4)

@@ -6,9 +6,9 @@ channels: all its ph·pw bins at once (a [BLOCK_C, BLOCK_BINS] tile, bins along 
 bounds). Where an NCHW RoI's bins hold at least 2·BLOCK_S samples each, the program instead takes its channels
 SPREAD_PLANES at a time with each bin's samples along the threads ([BLOCK_BINS, BLOCK_S]): such samples lie at most a
 pixel apart, so a warp's loads share cache lines, where bins along the threads put each load in a line of its own;
-each sample's position and weights serve every channel of the pass. A backward program owns one RoI and loops over the channel blocks, so each
-bin's offset gradient is summed in registers and stored once; grad_input is added by atomics into an fp32 buffer
-(int64 fixed point in deterministic mode: common/fixed_point.py).
+each sample's position and weights serve every channel of the pass. A backward program owns one RoI and loops over
+the channel blocks, so each bin's offset gradient is summed in registers and stored once; grad_input is added by
+atomics into an fp32 buffer (int64 fixed point in deterministic mode: common/fixed_point.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ TILE = (1024, 8)
 # two thirds of the lanes load; RoIs with fewer samples keep the [BLOCK_C, BLOCK_BINS] tile.
 BLOCK_S = 16
 # Channel planes the spread tile takes a pass: each sample's position, weights and flags serve them all. Two: at four
-# the forward compiles to 172 registers a thread (one 8-warp program an SM where two fit) and is slower (docs/tuning.md).
+# the forward compiles to 172 registers a thread (one 8-warp program an SM where two fit) and is slower
+# (docs/tuning.md).
 SPREAD_PLANES = 2
 
 
@@ -310,6 +311,15 @@ def spread_samples(sampling_ratio: int) -> int:
     return block_s if block_s and (sampling_ratio <= 0 or sampling_ratio * sampling_ratio >= 2 * block_s) else 0
 
 
+def spread_planes() -> int:
+    """Channels the forward's spread tile takes a pass (PLANES): options.roi_planes where a benchmark forces it, else
+    SPREAD_PLANES."""
+    planes = options.roi_planes or SPREAD_PLANES
+    if planes not in (1, 2, 4):
+        raise ValueError(f"options.roi_planes must be 1, 2 or 4 (or None), got {planes!r}")
+    return planes
+
+
 def _meta(output_size, C: int, sampling_ratio: int, has_offset: bool) -> dict:
     ph, pw = output_size
     block_bins, block_c, warps = _blocks(ph * pw, C)
@@ -332,7 +342,7 @@ def deform_roi_pool_forward(input: Tensor, rois: Tensor, offset: Optional[Tensor
     run_cached(_roi_pool_fwd_kernel, (R, ceil_div(C, meta["BLOCK_C"])), (input, rois.contiguous(), off, out),
                (N, C, H, W, *input.stride(), float(spatial_scale), float(gamma)),
                dict(meta, BINS_FAST=bins_fast(input), BLOCK_S=spread_samples(sampling_ratio),
-                    PLANES=options.roi_planes or SPREAD_PLANES))
+                    PLANES=spread_planes()))
     return out
 
 
