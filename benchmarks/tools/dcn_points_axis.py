@@ -21,6 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
+from deformconv.ops.common.sampling import bilinear_weights, point_corners
+from deformconv.ops.dcnv3.triton import _rows
+
 
 @triton.jit
 def _points_axis_fwd(
@@ -33,53 +36,30 @@ def _points_axis_fwd(
 ):
     """out[m, g·D + d] = Σ_k w_k · bilinear(x[n, :, :, g·D + d], y_k, x_k), the tile [BLOCK_M, KP, BLOCK_D]: a row's
     offsets and weights for all its points in three loads. Grid: (M tiles, G)."""
-    pid = tl.program_id(0)
     g = tl.program_id(1)
-    offs_m = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < M
-    L = HO * WO
-    n = offs_m // L
-    l = offs_m - n * L
-    oh = l // WO
-    ow = l - oh * WO
+    # the rows as deformconv's kernels take them; DCNv4's offsets and weights share a row, group g's from channel g·3K
+    m_ok, offs_m, oh, ow, n_pix, row, _ = _rows(tl.program_id(0), g, M, HO, WO, H, W, C, P, 3 * K, P, 3 * K,
+                                                BLOCK_M)
     kk = tl.arange(0, KP)
-    k_ok = kk < K
     dd = tl.arange(0, BLOCK_D)
     d_ok = dd < D
-    row = offs_m.to(tl.int64) * P + g * 3 * K
-    pm = m_ok[:, None] & k_ok[None, :]
+    pm = m_ok[:, None] & (kk < K)[None, :]
     dx = tl.load(om_ptr + row[:, None] + 2 * kk[None, :], mask=pm, other=0.0).to(tl.float32)
     dy = tl.load(om_ptr + row[:, None] + 2 * kk[None, :] + 1, mask=pm, other=0.0).to(tl.float32)
     mk = tl.load(om_ptr + row[:, None] + 2 * K + kk[None, :], mask=pm, other=0.0).to(tl.float32)
-    i = kk // 3
+    i = kk // 3  # 3x3, points kw-outer, stride 1, padding 1, dilation 1, offset scale 1
     j = kk - i * 3
     y = oh.to(tl.float32)[:, None] + ((j - 1).to(tl.float32)[None, :] + dy)
     x = ow.to(tl.float32)[:, None] + ((i - 1).to(tl.float32)[None, :] + dx)
-    inside = pm & (y > -1.0) & (y < H) & (x > -1.0) & (x < W)
-    y = tl.where(inside, y, 0.0)
-    x = tl.where(inside, x, 0.0)
-    y0 = tl.floor(y)
-    x0 = tl.floor(x)
-    ly = y - y0
-    lx = x - x0
-    y0i = y0.to(tl.int32)
-    x0i = x0.to(tl.int32)
-    top = inside & (y0i >= 0)
-    bottom = inside & (y0i + 1 < H)
-    left = x0i >= 0
-    right = x0i + 1 < W
-    a = tl.where(inside, mk, 0.0)
-    w00 = (1.0 - ly) * (1.0 - lx) * a
-    w01 = (1.0 - ly) * lx * a
-    w10 = ly * (1.0 - lx) * a
-    w11 = ly * lx * a
-    pix = n.to(tl.int64)[:, None] * H * W * C + (y0i * W + x0i).to(tl.int64) * C + g * D
+    p00, v00, v01, v10, v11, ly, lx, inside = point_corners(y, x, n_pix[:, None], H, W, C, pm)
+    w00, w01, w10, w11 = bilinear_weights(ly, lx, tl.where(inside, mk, 0.0))
+    pix = p00 + g * D
     base = x_ptr + pix[:, :, None] + dd[None, None, :]
     dm = d_ok[None, None, :]
-    c00 = tl.load(base, mask=(top & left)[:, :, None] & dm, other=0.0).to(tl.float32)
-    c01 = tl.load(base + C, mask=(top & right)[:, :, None] & dm, other=0.0).to(tl.float32)
-    c10 = tl.load(base + W * C, mask=(bottom & left)[:, :, None] & dm, other=0.0).to(tl.float32)
-    c11 = tl.load(base + W * C + C, mask=(bottom & right)[:, :, None] & dm, other=0.0).to(tl.float32)
+    c00 = tl.load(base, mask=v00[:, :, None] & dm, other=0.0).to(tl.float32)
+    c01 = tl.load(base + C, mask=v01[:, :, None] & dm, other=0.0).to(tl.float32)
+    c10 = tl.load(base + W * C, mask=v10[:, :, None] & dm, other=0.0).to(tl.float32)
+    c11 = tl.load(base + W * C + C, mask=v11[:, :, None] & dm, other=0.0).to(tl.float32)
     s = w00[:, :, None] * c00 + w01[:, :, None] * c01 + w10[:, :, None] * c10 + w11[:, :, None] * c11
     acc = tl.sum(s, axis=1)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * C + (g * D + dd)[None, :]
