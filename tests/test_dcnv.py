@@ -20,6 +20,8 @@ CASES = {
     "stride2-dil2": (2, 9, 8, 1, 4, 3, 3, (2, 2), (2, 2), (2, 2), 1.0, False),
     "nonsquare-stride": (1, 6, 9, 2, 3, 3, 5, (2, 1), (1, 2), (1, 1), 1.7, False),
     "5x5-remove-center": (1, 7, 7, 4, 1, 5, 5, (1, 1), (2, 2), (1, 1), 1.0, True),
+    "4x4-sixteen-points": (1, 6, 5, 2, 3, 4, 4, (1, 1), (1, 1), (1, 1), 1.0, False),
+    "1x1": (2, 4, 5, 3, 2, 1, 1, (1, 1), (0, 0), (1, 1), 0.8, False),
 }
 
 
@@ -293,17 +295,38 @@ def test_triton_dcnv3_matches_the_reference(name, dtype):
 
 
 @requires_interpreter
-@pytest.mark.parametrize("changes", [dict(gather_tile=(64, 1)), dict(gather_tile=(4096, 8)),
-                                     dict(unroll_points=True)], ids=["64x1", "4096x8", "unrolled"])
+@pytest.mark.parametrize("changes", [
+    dict(gather_tile=(64, 1)), dict(gather_tile=(4096, 8)), dict(preload_points=False),
+    dict(preload_points=False, unroll_points=True), dict(preload_points=False, gather_tile=(64, 1))],
+    ids=["64x1", "4096x8", "per-point-loads", "per-point-loads-unrolled", "per-point-loads-64x1"])
 def test_triton_any_program_tile_is_right(changes):
-    """options.gather_tile and unroll_points (what benchmarks/tools/gather_tiles.py sweeps): a program of a few
-    positions, or of many, and the point loop unrolled, give the reference's results."""
+    """options.gather_tile, preload_points and unroll_points (what benchmarks/tools/gather_tiles.py and
+    dcn_forward_variants.py sweep): a program of a few positions or of many, each point's offsets and weight loaded
+    at that point rather than all first, and that loop unrolled, give the reference's results."""
     from deformconv.config import options
 
     leaves, params, rc = _case("remove-center-scale")  # D = 3: 16 positions a program at 64 elements, 128 at 4096
     gout = torch.randn(leaves[0].shape[0], *leaves[2].shape[1:3], leaves[0].shape[3], dtype=torch.float64)
     fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
     with options.override(**changes):
+        ours = _run("triton", torch.float32, leaves, fn, gout)
+    ref = _run("reference", torch.float32, leaves, fn, gout)
+    for what, a, b in zip(("output", "grad_input", "grad_offset", "grad_mask"), ours, ref):
+        assert_close(a, b, torch.float32, what)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-point-loads"])
+@pytest.mark.parametrize("name", ["4x4-sixteen-points", "1x1", "nonsquare-stride"])
+def test_triton_parameters_preloaded_or_per_point_are_right(name, preload):
+    """A position's offsets and weights loaded for all its points first (up to 16: every column of the tile used at
+    4x4, one at 1x1, 15 at 3x5) or a point at a time: both give the reference's output and gradients."""
+    from deformconv.config import options
+
+    leaves, params, rc = _case(name)
+    gout = torch.randn(leaves[0].shape[0], *leaves[2].shape[1:3], leaves[0].shape[3], dtype=torch.float64)
+    fn = lambda x, o, m, backend: deformconv.dcnv3(x, o, m, *params, 256, rc, backend=backend)  # noqa: E731
+    with options.override(preload_points=preload):
         ours = _run("triton", torch.float32, leaves, fn, gout)
     ref = _run("reference", torch.float32, leaves, fn, gout)
     for what, a, b in zip(("output", "grad_input", "grad_offset", "grad_mask"), ours, ref):

@@ -8,10 +8,14 @@ Shapes (NHWC, C = G·D, K points a group):
 DCNv3's offset and mask are two tensors (OFF_ROW = G·K·2, OFF_GROUP = 2K; MSK_ROW = G·K, MSK_GROUP = K); DCNv4's
 offset_mask is one (both rows P, both groups 3K, the weights 2K further on).
 
-A program owns BLOCK_M output positions of one group and all D channels of it (BLOCK_D ≥ D): per point it loads the
-offsets and weight once, then 4 corner rows of D contiguous channels. The forward accumulates in fp32; the backward
-recomputes each sample, reduces grad_offset and grad_mask over the channels (each written by its one program), and
-adds grad_input into an fp32 buffer by atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
+A program owns BLOCK_M output positions of one group and all D channels of it (BLOCK_D ≥ D), and takes their K points
+one after the other: 4 corner rows of D contiguous channels a point. Where K ≤ 16 (PRELOAD: every 3x3 kernel) a
+position's offsets and weights for all its points come first, as tiles of its contiguous run split into per-point
+columns in registers (_row_points), and the backward stores grad_offset and grad_mask as such tiles too: a load or
+store a point takes a cache line a position, as many as the 4 corner loads. Otherwise a point's offsets and weight
+are loaded at that point. The forward accumulates in fp32; the backward recomputes each sample, reduces grad_offset
+and grad_mask over the channels (each written by its one program), and adds grad_input into an fp32 buffer by
+atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
 """
 
 from __future__ import annotations
@@ -40,10 +44,10 @@ TILE = (1024, 4)
 
 
 @triton.jit
-def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
-           DIL_H, DIL_W, SCALE, KH: tl.constexpr, KW: tl.constexpr, REMOVE_CENTER: tl.constexpr):
-    """Point k of every position: its corners (point_corners), its aggregation weight (zero where it does not
-    count) and its offsets' addresses."""
+def _point_at(dx, dy, mk, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE,
+              KH: tl.constexpr, KW: tl.constexpr, REMOVE_CENTER: tl.constexpr):
+    """Point k of every position from its offsets (dx, dy) and weight mk [BLOCK_M] (fp32): its corners
+    (point_corners) and its aggregation weight (zero where it does not count)."""
     t = k
     if REMOVE_CENTER:  # the centre, tap c = (KH·KW - 1) / 2 of an odd square kernel, skipped: k // c is 1 past it
         t = k + k // ((KH * KW - 1) // 2)
@@ -51,13 +55,85 @@ def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, 
     j = t - i * KH
     ch = (DIL_H * (KH - 1)) // 2
     cw = (DIL_W * (KW - 1)) // 2
-    dx = tl.load(off_ptr + off_row + 2 * k, mask=m_ok, other=0.0).to(tl.float32)
-    dy = tl.load(off_ptr + off_row + 2 * k + 1, mask=m_ok, other=0.0).to(tl.float32)
     y = (oh * STRIDE_H - PAD_H + ch).to(tl.float32) + ((j * DIL_H - ch).to(tl.float32) + dy) * SCALE
     x = (ow * STRIDE_W - PAD_W + cw).to(tl.float32) + ((i * DIL_W - cw).to(tl.float32) + dx) * SCALE
     p00, v00, v01, v10, v11, ly, lx, inside = point_corners(y, x, n_pix, H, W, C, m_ok)
-    mk = tl.load(msk_ptr + msk_row + k, mask=m_ok, other=0.0).to(tl.float32)
     return p00, v00, v01, v10, v11, ly, lx, inside, tl.where(inside, mk, 0.0)
+
+
+@triton.jit
+def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+           DIL_H, DIL_W, SCALE, KH: tl.constexpr, KW: tl.constexpr, REMOVE_CENTER: tl.constexpr):
+    """_point_at with point k's offsets and weight loaded here: three loads, each row's in a cache line of its own."""
+    dx = tl.load(off_ptr + off_row + 2 * k, mask=m_ok, other=0.0).to(tl.float32)
+    dy = tl.load(off_ptr + off_row + 2 * k + 1, mask=m_ok, other=0.0).to(tl.float32)
+    mk = tl.load(msk_ptr + msk_row + k, mask=m_ok, other=0.0).to(tl.float32)
+    return _point_at(dx, dy, mk, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+                     SCALE, KH, KW, REMOVE_CENTER)
+
+
+@triton.jit
+def _halves(t, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    """t [BLOCK_M, N] as its even and its odd columns, [BLOCK_M, N / 2] each."""
+    return tl.split(tl.reshape(t, [BLOCK_M, N // 2, 2]))
+
+
+@triton.jit
+def _columns(t, BLOCK_M: tl.constexpr):
+    """The 16 columns of t [BLOCK_M, 16] as a tuple of [BLOCK_M]: a tree of splits, each of which keeps a pair in
+    one thread's registers, so that a column costs no load, shuffle or reduction (taking a column with tl.where and
+    tl.sum reduces across the threads a tile's columns are spread over)."""
+    e, o = _halves(t, BLOCK_M, 16)       # columns 0 2 4 .. 14 | 1 3 5 .. 15
+    ee, eo = _halves(e, BLOCK_M, 8)      # 0 4 8 12 | 2 6 10 14
+    oe, oo = _halves(o, BLOCK_M, 8)      # 1 5 9 13 | 3 7 11 15
+    c0_8, c4_12 = _halves(ee, BLOCK_M, 4)
+    c2_10, c6_14 = _halves(eo, BLOCK_M, 4)
+    c1_9, c5_13 = _halves(oe, BLOCK_M, 4)
+    c3_11, c7_15 = _halves(oo, BLOCK_M, 4)
+    c0, c8 = tl.split(c0_8)
+    c4, c12 = tl.split(c4_12)
+    c2, c10 = tl.split(c2_10)
+    c6, c14 = tl.split(c6_14)
+    c1, c9 = tl.split(c1_9)
+    c5, c13 = tl.split(c5_13)
+    c3, c11 = tl.split(c3_11)
+    c7, c15 = tl.split(c7_15)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+
+
+@triton.jit
+def _pair_up(even, odd, BLOCK_M: tl.constexpr, N: tl.constexpr):
+    """_halves' inverse: [BLOCK_M, N] from its even and its odd columns ([BLOCK_M, N / 2] each)."""
+    return tl.reshape(tl.join(even, odd), [BLOCK_M, N])
+
+
+@triton.jit
+def _tile(cols, BLOCK_M: tl.constexpr):
+    """_columns' inverse: the tile [BLOCK_M, 16] of a tuple of 16 [BLOCK_M] columns."""
+    c0_8 = tl.join(cols[0], cols[8])
+    c4_12 = tl.join(cols[4], cols[12])
+    c2_10 = tl.join(cols[2], cols[10])
+    c6_14 = tl.join(cols[6], cols[14])
+    c1_9 = tl.join(cols[1], cols[9])
+    c5_13 = tl.join(cols[5], cols[13])
+    c3_11 = tl.join(cols[3], cols[11])
+    c7_15 = tl.join(cols[7], cols[15])
+    e = _pair_up(_pair_up(c0_8, c4_12, BLOCK_M, 4), _pair_up(c2_10, c6_14, BLOCK_M, 4), BLOCK_M, 8)
+    o = _pair_up(_pair_up(c1_9, c5_13, BLOCK_M, 4), _pair_up(c3_11, c7_15, BLOCK_M, 4), BLOCK_M, 8)
+    return _pair_up(e, o, BLOCK_M, 16)
+
+
+@triton.jit
+def _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Every position's offsets and weights for its K ≤ 16 points, loaded once as three tuples of 16 [BLOCK_M]
+    columns (dx, dy, weight; fp32, zero past K): two loads of a row's contiguous run, where a point at a time takes
+    three loads a point (_point)."""
+    kk = tl.arange(0, 16)
+    pm = m_ok[:, None] & (kk < K)[None, :]
+    pair = off_row[:, None, None] + 2 * kk[None, :, None] + tl.arange(0, 2)[None, None, :]
+    dx, dy = tl.split(tl.load(off_ptr + pair, mask=pm[:, :, None], other=0.0).to(tl.float32))
+    mk = tl.load(msk_ptr + msk_row[:, None] + kk[None, :], mask=pm, other=0.0).to(tl.float32)
+    return _columns(dx, BLOCK_M), _columns(dy, BLOCK_M), _columns(mk, BLOCK_M)
 
 
 @triton.jit
@@ -84,17 +160,24 @@ def _lanes(g, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok, H, W, C,
-                      STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D: tl.constexpr, KH: tl.constexpr,
-                      KW: tl.constexpr, REMOVE_CENTER: tl.constexpr, BLOCK_D: tl.constexpr):
-    """acc + point k's weighted bilinear samples [BLOCK_M, BLOCK_D]."""
-    p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
-        off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
-        DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+def _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D: tl.constexpr,
+                BLOCK_D: tl.constexpr):
+    """acc + a point's weighted bilinear samples [BLOCK_M, BLOCK_D]."""
     c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
     w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
     return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
                        c11.to(tl.float32), False)
+
+
+@triton.jit
+def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok, H, W, C,
+                      STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D: tl.constexpr, KH: tl.constexpr,
+                      KW: tl.constexpr, REMOVE_CENTER: tl.constexpr, BLOCK_D: tl.constexpr):
+    """acc + point k's weighted bilinear samples [BLOCK_M, BLOCK_D], its offsets and weight loaded here."""
+    p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
+        off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+        DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+    return _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
 
 
 @triton.jit
@@ -106,6 +189,7 @@ def _dcn_fwd_kernel(
     D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     UNROLL: tl.constexpr,                      # the point loop unrolled (a later point's loads issued early)
+    PRELOAD: tl.constexpr,                     # the offsets and weights of all K ≤ 16 points loaded first (_row_points)
 ):
     """out[m, g·D + d] = Σ_k w_k · bilinear(x[n, :, :, g·D + d], y_k, x_k). Grid: (M tiles, G)."""
     pid = tl.program_id(0)
@@ -114,7 +198,14 @@ def _dcn_fwd_kernel(
                                                           MSK_GROUP, BLOCK_M)
     d_ok, cc = _lanes(g, D, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    if UNROLL:
+    if PRELOAD:
+        dxs, dys, mks = _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
+        for k in tl.static_range(K):
+            p00, v00, v01, v10, v11, ly, lx, inside, mk = _point_at(
+                dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
+                DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+            acc = _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
+    elif UNROLL:
         for k in tl.static_range(K):
             acc = _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok,
                                     H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D, KH, KW,
@@ -129,6 +220,41 @@ def _dcn_fwd_kernel(
 
 
 @triton.jit
+def _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok, W, C, SCALE, fixed_scale,
+                 D: tl.constexpr, NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr,
+                 FIXED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A point's share of the gradients (see _dcn_bwd_kernel): grad_input scattered here; its grad_mask and
+    grad_offset (Δx, Δy) returned, [BLOCK_M] each (zero where not needed or where the point does not count)."""
+    gm = tl.zeros_like(ly)
+    gx = gm
+    gy = gm
+    if NEED_OFF or NEED_MSK:
+        c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
+        c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+        if NEED_MSK:
+            w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
+            s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
+            gm = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
+        if NEED_OFF:
+            # ∂s/∂y = (1-lx)(c10 - c00) + lx(c11 - c01); ∂s/∂x = (1-ly)(c01 - c00) + ly(c11 - c10)
+            sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+            sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+            f = SCALE * mk
+            gx = tl.where(inside, f * sx, 0.0)
+            gy = tl.where(inside, f * sy, 0.0)
+    if NEED_IN:
+        w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
+        ptrs = gin_ptr + p00[:, None] + cc[None, :]
+        row = W * C
+        dm = d_ok[None, :]
+        scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
+        scatter_add(ptrs + C, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
+        scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
+        scatter_add(ptrs + row + C, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+    return gm, gx, gy
+
+
+@triton.jit
 def _dcn_bwd_kernel(
     x_ptr, off_ptr, msk_ptr, go_ptr,           # go: grad_out [N, Ho, Wo, C]
     gin_ptr,                                   # grad_input accumulator like x: fp32, or int64 if FIXED (NEED_IN)
@@ -140,6 +266,7 @@ def _dcn_bwd_kernel(
     D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
     NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr, FIXED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    PRELOAD: tl.constexpr,                     # as _dcn_fwd_kernel's; grad_offset and grad_mask then stored as tiles
 ):
     """Per point k: grad_mask = Σ_d go·s_k, grad_offset = SCALE·w_k·Σ_d go·∂s_k/∂(x, y) (zero where the point does
     not count), grad_input += go·w_k·(corner weight) at each corner read. Grid: (M tiles, G)."""
@@ -154,35 +281,47 @@ def _dcn_bwd_kernel(
         fixed_scale = tl.load(scale_ptr)
     else:
         fixed_scale = 1.0  # unused
-    for k in range(K):
-        p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
-            off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
-            DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-        if NEED_OFF or NEED_MSK:
-            c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
-            c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+    if PRELOAD:
+        dxs, dys, mks = _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
+        gms = ()
+        gxs = ()
+        gys = ()
+        for k in tl.static_range(16):
+            if k < K:
+                p00, v00, v01, v10, v11, ly, lx, inside, mk = _point_at(
+                    dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
+                    DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+                gm, gx, gy = _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok,
+                                          W, C, SCALE, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED, BLOCK_D)
+            else:  # the tiles' columns past K (not stored)
+                gm = tl.zeros_like(dxs[0])
+                gx = gm
+                gy = gm
+            gms = gms + (gm,)
+            gxs = gxs + (gx,)
+            gys = gys + (gy,)
+        kk = tl.arange(0, 16)
+        pm = m_ok[:, None] & (kk < K)[None, :]
+        if NEED_MSK:
+            tl.store(gmsk_ptr + msk_row[:, None] + kk[None, :], _tile(gms, BLOCK_M).to(gmsk_ptr.dtype.element_ty),
+                     mask=pm)
+        if NEED_OFF:
+            pair = off_row[:, None, None] + 2 * kk[None, :, None] + tl.arange(0, 2)[None, None, :]
+            gxy = tl.join(_tile(gxs, BLOCK_M), _tile(gys, BLOCK_M))
+            tl.store(goff_ptr + pair, gxy.to(goff_ptr.dtype.element_ty), mask=pm[:, :, None])
+    else:
+        for k in range(K):
+            p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
+                off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H,
+                PAD_W, DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
+            gm, gx, gy = _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok, W, C,
+                                      SCALE, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED, BLOCK_D)
             if NEED_MSK:
-                w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
-                s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
-                gm = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
                 tl.store(gmsk_ptr + msk_row + k, gm.to(gmsk_ptr.dtype.element_ty), mask=m_ok)
             if NEED_OFF:
-                # ∂s/∂y = (1-lx)(c10 - c00) + lx(c11 - c01); ∂s/∂x = (1-ly)(c01 - c00) + ly(c11 - c10)
-                sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
-                sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
-                f = SCALE * mk
                 gdt = goff_ptr.dtype.element_ty
-                tl.store(goff_ptr + off_row + 2 * k, tl.where(inside, f * sx, 0.0).to(gdt), mask=m_ok)
-                tl.store(goff_ptr + off_row + 2 * k + 1, tl.where(inside, f * sy, 0.0).to(gdt), mask=m_ok)
-        if NEED_IN:
-            w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-            ptrs = gin_ptr + p00[:, None] + cc[None, :]
-            row = W * C
-            dm = d_ok[None, :]
-            scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
-            scatter_add(ptrs + C, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
-            scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
-            scatter_add(ptrs + row + C, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+                tl.store(goff_ptr + off_row + 2 * k, gx.to(gdt), mask=m_ok)
+                tl.store(goff_ptr + off_row + 2 * k + 1, gy.to(gdt), mask=m_ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -209,8 +348,17 @@ def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], ge
     out = torch.empty(geo.batch, geo.out_h, geo.out_w, geo.channels, dtype=input.dtype, device=input.device)
     meta = _meta(geo)
     run_cached(_dcn_fwd_kernel, _grid(geo, meta), (x, off, msk, out), _args(x, geo, strides),
-               dict(meta, UNROLL=options.unroll_points))
+               dict(meta, UNROLL=options.unroll_points, PRELOAD=preload_points(geo)))
     return out
+
+
+def preload_points(geo: DcnGeometry) -> bool:
+    """Whether the kernels load a position's offsets and weights for all its points first (_row_points): where they
+    fit one 16-column tile (every 3x3 kernel; docs/tuning.md has the times), unless options.preload_points says
+    otherwise."""
+    if options.preload_points is not None:
+        return options.preload_points and geo.points <= 16
+    return geo.points <= 16
 
 
 def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry,
@@ -230,7 +378,7 @@ def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides
                gmsk if gmsk is not None else msk, scales[0] if fixed else off)
     run_cached(_dcn_bwd_kernel, _grid(geo, meta), tensors, _args(x, geo, strides),
                dict(meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed,
-                    num_warps=backward_warps(meta["num_warps"], fixed)))
+                    num_warps=backward_warps(meta["num_warps"], fixed), PRELOAD=preload_points(geo)))
     if gin is None:
         return None
     if fixed:
