@@ -301,7 +301,7 @@ def test_triton_dcnv3_matches_the_reference(name, dtype):
     ids=["64x1", "4096x8", "per-point-loads", "per-point-loads-unrolled", "per-point-loads-64x1"])
 def test_triton_any_program_tile_is_right(changes):
     """options.gather_tile, preload_points and unroll_points (what benchmarks/tools/gather_tiles.py and
-    dcn_forward_variants.py sweep): a program of a few positions or of many, each point's offsets and weight loaded
+    point_loads.py sweep): a program of a few positions or of many, each point's offsets and weight loaded
     at that point rather than all first, and that loop unrolled, give the reference's results."""
     from deformconv.config import options
 

@@ -14,6 +14,10 @@ is +inf (``fraction``): the weights read it as 0 (``weight_fraction``), the offs
 Corner pairs: for short channel runs the corners come as ``[BM, NSEG, 2, SEG]`` tensors (position, segment,
 x0 / x0+1, channel), top row and bottom row apart; in a layout where a segment's channels are a pixel's whole
 run, a pair is one contiguous run of 2·SEG elements.
+
+A row's point parameters: where a row's (up to 16) points keep their coordinates and weights in contiguous runs
+(DCNv3/DCNv4, attention), ``row_points`` loads them as tiles and splits them into per-point columns in registers
+(``split_columns``); ``join_columns`` puts per-point results back into a tile for one store.
 """
 
 import triton
@@ -317,3 +321,71 @@ def mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
     wy = weight_fraction(ly)
     wx = weight_fraction(lx)
     return s00 + wx * sdx + wy * sdy + wx * wy * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
+
+
+# --- a row's point parameters as per-point columns -------------------------------------------------------------
+
+
+@triton.jit
+def _halves(t, BM: tl.constexpr, N: tl.constexpr):
+    """t [BM, N] as its even and its odd columns, [BM, N / 2] each."""
+    return tl.split(tl.reshape(t, [BM, N // 2, 2]))
+
+
+@triton.jit
+def split_columns(t, BM: tl.constexpr):
+    """The 16 columns of t [BM, 16] as a tuple of [BM]: a tree of splits, each of which keeps a pair in one thread's
+    registers, so that a column costs no load, shuffle or reduction (taking a column with tl.where and tl.sum reduces
+    across the threads a tile's columns are spread over: 15,000 instructions where this takes hundreds)."""
+    e, o = _halves(t, BM, 16)       # columns 0 2 4 .. 14 | 1 3 5 .. 15
+    ee, eo = _halves(e, BM, 8)      # 0 4 8 12 | 2 6 10 14
+    oe, oo = _halves(o, BM, 8)      # 1 5 9 13 | 3 7 11 15
+    c0_8, c4_12 = _halves(ee, BM, 4)
+    c2_10, c6_14 = _halves(eo, BM, 4)
+    c1_9, c5_13 = _halves(oe, BM, 4)
+    c3_11, c7_15 = _halves(oo, BM, 4)
+    c0, c8 = tl.split(c0_8)
+    c4, c12 = tl.split(c4_12)
+    c2, c10 = tl.split(c2_10)
+    c6, c14 = tl.split(c6_14)
+    c1, c9 = tl.split(c1_9)
+    c5, c13 = tl.split(c5_13)
+    c3, c11 = tl.split(c3_11)
+    c7, c15 = tl.split(c7_15)
+    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
+
+
+@triton.jit
+def _pair_up(even, odd, BM: tl.constexpr, N: tl.constexpr):
+    """_halves' inverse: [BM, N] from its even and its odd columns ([BM, N / 2] each)."""
+    return tl.reshape(tl.join(even, odd), [BM, N])
+
+
+@triton.jit
+def join_columns(cols, BM: tl.constexpr):
+    """split_columns' inverse: the tile [BM, 16] of a tuple of 16 [BM] columns."""
+    c0_8 = tl.join(cols[0], cols[8])
+    c4_12 = tl.join(cols[4], cols[12])
+    c2_10 = tl.join(cols[2], cols[10])
+    c6_14 = tl.join(cols[6], cols[14])
+    c1_9 = tl.join(cols[1], cols[9])
+    c5_13 = tl.join(cols[5], cols[13])
+    c3_11 = tl.join(cols[3], cols[11])
+    c7_15 = tl.join(cols[7], cols[15])
+    e = _pair_up(_pair_up(c0_8, c4_12, BM, 4), _pair_up(c2_10, c6_14, BM, 4), BM, 8)
+    o = _pair_up(_pair_up(c1_9, c5_13, BM, 4), _pair_up(c3_11, c7_15, BM, 4), BM, 8)
+    return _pair_up(e, o, BM, 16)
+
+
+@triton.jit
+def row_points(pair_ptr, w_ptr, pair_row, w_row, live, K: tl.constexpr, BM: tl.constexpr):
+    """The parameters of K ≤ 16 points of each of BM rows, each row's points a contiguous run: (a, b) pairs at
+    pair_ptr + pair_row + 2k (+1) (DCNv3's (Δx, Δy), attention's (x, y)) and weights at w_ptr + w_row + k. Two loads
+    of a row's runs, where loading them a point at a time takes three loads a point, each row's in a cache line of its
+    own. Returns three tuples of 16 [BM] columns (a, b, weight; fp32, zero past K and where live is off)."""
+    kk = tl.arange(0, 16)
+    pm = live[:, None] & (kk < K)[None, :]
+    pair = pair_row[:, None, None] + 2 * kk[None, :, None] + tl.arange(0, 2)[None, None, :]
+    a, b = tl.split(tl.load(pair_ptr + pair, mask=pm[:, :, None], other=0.0).to(tl.float32))
+    w = tl.load(w_ptr + w_row[:, None] + kk[None, :], mask=pm, other=0.0).to(tl.float32)
+    return split_columns(a, BM), split_columns(b, BM), split_columns(w, BM)

@@ -11,11 +11,11 @@ offset_mask is one (both rows P, both groups 3K, the weights 2K further on).
 A program owns BLOCK_M output positions of one group and all D channels of it (BLOCK_D ≥ D), and takes their K points
 one after the other: 4 corner rows of D contiguous channels a point. Where K ≤ 16 (PRELOAD: every 3x3 kernel) a
 position's offsets and weights for all its points come first, as tiles of its contiguous run split into per-point
-columns in registers (_row_points), and the backward stores grad_offset and grad_mask as such tiles too: a load or
-store a point takes a cache line a position, as many as the 4 corner loads. Otherwise a point's offsets and weight
-are loaded at that point. The forward accumulates in fp32; the backward recomputes each sample, reduces grad_offset
-and grad_mask over the channels (each written by its one program), and adds grad_input into an fp32 buffer by
-atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
+columns in registers (common/sampling.py: row_points), and the backward stores grad_offset and grad_mask as such
+tiles too: a load or store a point takes a cache line a position, as many as the 4 corner loads. Otherwise a point's
+offsets and weight are loaded at that point. The forward accumulates in fp32; the backward recomputes each sample,
+reduces grad_offset and grad_mask over the channels (each written by its one program), and adds grad_input into an
+fp32 buffer by atomics (int64 fixed point in deterministic mode: common/fixed_point.py).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
-from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
+from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
+                               scatter_add)
 from .geometry import DcnGeometry
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -70,70 +71,6 @@ def _point(off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, 
     mk = tl.load(msk_ptr + msk_row + k, mask=m_ok, other=0.0).to(tl.float32)
     return _point_at(dx, dy, mk, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
                      SCALE, KH, KW, REMOVE_CENTER)
-
-
-@triton.jit
-def _halves(t, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """t [BLOCK_M, N] as its even and its odd columns, [BLOCK_M, N / 2] each."""
-    return tl.split(tl.reshape(t, [BLOCK_M, N // 2, 2]))
-
-
-@triton.jit
-def _columns(t, BLOCK_M: tl.constexpr):
-    """The 16 columns of t [BLOCK_M, 16] as a tuple of [BLOCK_M]: a tree of splits, each of which keeps a pair in
-    one thread's registers, so that a column costs no load, shuffle or reduction (taking a column with tl.where and
-    tl.sum reduces across the threads a tile's columns are spread over)."""
-    e, o = _halves(t, BLOCK_M, 16)       # columns 0 2 4 .. 14 | 1 3 5 .. 15
-    ee, eo = _halves(e, BLOCK_M, 8)      # 0 4 8 12 | 2 6 10 14
-    oe, oo = _halves(o, BLOCK_M, 8)      # 1 5 9 13 | 3 7 11 15
-    c0_8, c4_12 = _halves(ee, BLOCK_M, 4)
-    c2_10, c6_14 = _halves(eo, BLOCK_M, 4)
-    c1_9, c5_13 = _halves(oe, BLOCK_M, 4)
-    c3_11, c7_15 = _halves(oo, BLOCK_M, 4)
-    c0, c8 = tl.split(c0_8)
-    c4, c12 = tl.split(c4_12)
-    c2, c10 = tl.split(c2_10)
-    c6, c14 = tl.split(c6_14)
-    c1, c9 = tl.split(c1_9)
-    c5, c13 = tl.split(c5_13)
-    c3, c11 = tl.split(c3_11)
-    c7, c15 = tl.split(c7_15)
-    return (c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15)
-
-
-@triton.jit
-def _pair_up(even, odd, BLOCK_M: tl.constexpr, N: tl.constexpr):
-    """_halves' inverse: [BLOCK_M, N] from its even and its odd columns ([BLOCK_M, N / 2] each)."""
-    return tl.reshape(tl.join(even, odd), [BLOCK_M, N])
-
-
-@triton.jit
-def _tile(cols, BLOCK_M: tl.constexpr):
-    """_columns' inverse: the tile [BLOCK_M, 16] of a tuple of 16 [BLOCK_M] columns."""
-    c0_8 = tl.join(cols[0], cols[8])
-    c4_12 = tl.join(cols[4], cols[12])
-    c2_10 = tl.join(cols[2], cols[10])
-    c6_14 = tl.join(cols[6], cols[14])
-    c1_9 = tl.join(cols[1], cols[9])
-    c5_13 = tl.join(cols[5], cols[13])
-    c3_11 = tl.join(cols[3], cols[11])
-    c7_15 = tl.join(cols[7], cols[15])
-    e = _pair_up(_pair_up(c0_8, c4_12, BLOCK_M, 4), _pair_up(c2_10, c6_14, BLOCK_M, 4), BLOCK_M, 8)
-    o = _pair_up(_pair_up(c1_9, c5_13, BLOCK_M, 4), _pair_up(c3_11, c7_15, BLOCK_M, 4), BLOCK_M, 8)
-    return _pair_up(e, o, BLOCK_M, 16)
-
-
-@triton.jit
-def _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Every position's offsets and weights for its K ≤ 16 points, loaded once as three tuples of 16 [BLOCK_M]
-    columns (dx, dy, weight; fp32, zero past K): two loads of a row's contiguous run, where a point at a time takes
-    three loads a point (_point)."""
-    kk = tl.arange(0, 16)
-    pm = m_ok[:, None] & (kk < K)[None, :]
-    pair = off_row[:, None, None] + 2 * kk[None, :, None] + tl.arange(0, 2)[None, None, :]
-    dx, dy = tl.split(tl.load(off_ptr + pair, mask=pm[:, :, None], other=0.0).to(tl.float32))
-    mk = tl.load(msk_ptr + msk_row[:, None] + kk[None, :], mask=pm, other=0.0).to(tl.float32)
-    return _columns(dx, BLOCK_M), _columns(dy, BLOCK_M), _columns(mk, BLOCK_M)
 
 
 @triton.jit
@@ -189,7 +126,7 @@ def _dcn_fwd_kernel(
     D: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, K: tl.constexpr, REMOVE_CENTER: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     UNROLL: tl.constexpr,                      # the point loop unrolled (a later point's loads issued early)
-    PRELOAD: tl.constexpr,                     # the offsets and weights of all K ≤ 16 points loaded first (_row_points)
+    PRELOAD: tl.constexpr,                     # the offsets and weights of all K ≤ 16 points loaded first (row_points)
 ):
     """out[m, g·D + d] = Σ_k w_k · bilinear(x[n, :, :, g·D + d], y_k, x_k). Grid: (M tiles, G)."""
     pid = tl.program_id(0)
@@ -199,7 +136,7 @@ def _dcn_fwd_kernel(
     d_ok, cc = _lanes(g, D, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     if PRELOAD:
-        dxs, dys, mks = _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
+        dxs, dys, mks = row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
         for k in tl.static_range(K):
             p00, v00, v01, v10, v11, ly, lx, inside, mk = _point_at(
                 dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
@@ -282,7 +219,7 @@ def _dcn_bwd_kernel(
     else:
         fixed_scale = 1.0  # unused
     if PRELOAD:
-        dxs, dys, mks = _row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
+        dxs, dys, mks = row_points(off_ptr, msk_ptr, off_row, msk_row, m_ok, K, BLOCK_M)
         gms = ()
         gxs = ()
         gys = ()
@@ -303,11 +240,11 @@ def _dcn_bwd_kernel(
         kk = tl.arange(0, 16)
         pm = m_ok[:, None] & (kk < K)[None, :]
         if NEED_MSK:
-            tl.store(gmsk_ptr + msk_row[:, None] + kk[None, :], _tile(gms, BLOCK_M).to(gmsk_ptr.dtype.element_ty),
-                     mask=pm)
+            tl.store(gmsk_ptr + msk_row[:, None] + kk[None, :],
+                     join_columns(gms, BLOCK_M).to(gmsk_ptr.dtype.element_ty), mask=pm)
         if NEED_OFF:
             pair = off_row[:, None, None] + 2 * kk[None, :, None] + tl.arange(0, 2)[None, None, :]
-            gxy = tl.join(_tile(gxs, BLOCK_M), _tile(gys, BLOCK_M))
+            gxy = tl.join(join_columns(gxs, BLOCK_M), join_columns(gys, BLOCK_M))
             tl.store(goff_ptr + pair, gxy.to(goff_ptr.dtype.element_ty), mask=pm[:, :, None])
     else:
         for k in range(K):
@@ -353,9 +290,9 @@ def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], ge
 
 
 def preload_points(geo: DcnGeometry) -> bool:
-    """Whether the kernels load a position's offsets and weights for all its points first (_row_points): where they
-    fit one 16-column tile (every 3x3 kernel; docs/tuning.md has the times), unless options.preload_points says
-    otherwise."""
+    """Whether the kernels load a position's offsets and weights for all its points first (common/sampling.py:
+    row_points): where they fit one 16-column tile (every 3x3 kernel; docs/tuning.md has the times), unless
+    options.preload_points says otherwise."""
     if options.preload_points is not None:
         return options.preload_points and geo.points <= 16
     return geo.points <= 16
