@@ -156,25 +156,6 @@ def test_triton_unrolled_forward_is_right():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-point-loads"])
-@pytest.mark.parametrize("name", ["sixteen-points", "4-levels", "twenty-points"])
-def test_triton_parameters_preloaded_or_per_point_are_right(name, preload):
-    """A query's locations and weights loaded for all its points first (options.preload_points, where L·P ≤ 16: all 16
-    columns used, or 12) or a point at a time (the default; always beyond 16): both give the reference's output and
-    gradients."""
-    from deformconv.config import options
-
-    value, shapes, starts, loc, attn = _case(name, seed=4)
-    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
-    with options.override(preload_points=preload):
-        ours = _grads(_ours, value, shapes, starts, loc, attn, gout, torch.float32, "triton")
-    ref = _grads(_ours, value.float().double(), shapes, starts, loc.float().double(), attn.float().double(), gout,
-                 backend="reference")
-    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
-        assert_close(a, b, torch.float32, what)
-
-
-@requires_interpreter
 def test_triton_deterministic_mode_is_reproducible_and_right():
     value, shapes, starts, loc, attn = _case("4-levels", seed=2)
     gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)

@@ -7,9 +7,10 @@ keeps the outcome.
                                             [--unrolled] [--roi-spread 0 8 32] [--roi-planes 1 4] [--out PATH]
 
 Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
-default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' point loops unrolled
-(options.unroll_points); --roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread,
-0: none), --roi-planes with other numbers of channels the spread tile takes a pass (options.roi_planes).
+default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' per-point loops unrolled
+(options.unroll_points; DCNv3/DCNv4 with preload_points off); --roi-spread adds RoI pooling's forward with other spread tile widths
+(options.roi_spread, 0: none), --roi-planes with other numbers of channels the spread tile takes a pass
+(options.roi_planes).
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def main(argv=None):
             tiles = unique_tiles([tuple(defaults[family])] + [tuple(map(int, t.split("x"))) for t in args.tiles])
             variants = [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
             if args.unrolled and family != "roi_pool":
-                variants.append(("unrolled", dict(unroll_points=True)))
+                # the unrolled loop is the per-point one (DCNv3's preloading forward unrolls over its columns anyway)
+                variants.append(("unrolled", dict(unroll_points=True, preload_points=False)))
             if family == "roi_pool":
                 variants += [(f"spread{n}", dict(roi_spread=n)) for n in args.roi_spread]
                 variants += [(f"planes{n}", dict(roi_planes=n)) for n in args.roi_planes]

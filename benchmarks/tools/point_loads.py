@@ -1,13 +1,10 @@
-"""The gather kernels' point parameters, loaded a point at a time or all of a row's first, timed side by side on a GPU.
-
-DCNv3/DCNv4: each point's offsets and weight loaded at that point (options.preload_points=False), or a position's
+"""The DCNv3/DCNv4 kernels' point parameters, loaded a point at a time or all of a position's first, timed side by
+side on a GPU: each point's offsets and weight loaded at that point (options.preload_points=False), or a position's
 offsets and weights for all its points loaded first (the default where K ≤ 16), the latter at other tiles too
 (options.gather_tile); the forward beside DCNv4's CUDA kernel where importable (bench_dcnv.py's docstring says how to
 build it). Loads: bench_dcnv.py's, and shapes it never tuned for (5×5, stride 2, wide and odd groups, a small batch).
-Multi-scale deformable attention (--family msda): the same two ways of loading a query's locations and weights, at
-bench_msda.py's loads.
 
-    python benchmarks/tools/point_loads.py [--family dcnv|msda] [--dtype float16] [--out PATH]
+    python benchmarks/tools/point_loads.py [--dtype float16] [--out PATH]
 
 GPU time: `do_bench_cudagraph` medians (ms) of the forward's kernel (DCNv4's eager call is bound by its host), then
 of the backward's (both gradients) with and without the preload. Each variant's results are compared with the
@@ -48,34 +45,6 @@ VARIANTS = [
 ]
 
 
-def attention_rows(dtype, bench, options):
-    """bench_msda.py's loads: forward and backward (all three gradients) with each way of loading the parameters."""
-    import bench_msda
-
-    from deformconv.ops.msda import triton as kernels
-
-    rows = []
-    for name, queries in bench_msda.LOADS.items():
-        value, shapes, starts, loc, attn = (t.detach() for t in bench_msda._inputs(queries, dtype))
-        go = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device="cuda", dtype=dtype)
-        row, first, err = dict(load=name), None, 0.0
-        for label, preload in (("per-point loads", False), ("preload", True)):
-            with options.override(preload_points=preload):
-                got = [kernels.ms_deform_attn_forward(value, shapes, starts, loc, attn),
-                       *kernels.ms_deform_attn_backward(go, value, shapes, starts, loc, attn, (True, True, True))]
-                first = got if first is None else first
-                err = max([err] + [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
-                                   for a, b in zip(got, first)])
-                row[label] = bench(lambda: kernels.ms_deform_attn_forward(value, shapes, starts, loc, attn),
-                                   return_mode="median")
-                row[f"bwd: {label}"] = bench(lambda: kernels.ms_deform_attn_backward(
-                    go, value, shapes, starts, loc, attn, (True, True, True)), return_mode="median")
-        row["max difference"] = err
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    return rows
-
-
 def main(argv=None):
     from triton.testing import do_bench_cudagraph as bench
 
@@ -86,7 +55,6 @@ def main(argv=None):
     from deformconv.ops.dcnv3.geometry import DcnGeometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", default="dcnv", choices=["dcnv", "msda"])
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -96,8 +64,8 @@ def main(argv=None):
     except Exception:  # not installed: its column is left out
         DCNv4Function = None
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [] if args.family == "dcnv" else attention_rows(dtype, bench, options)
-    for name, (n, h, w, g, d, k, s, p, rc) in (LOADS if args.family == "dcnv" else {}).items():
+    rows = []
+    for name, (n, h, w, g, d, k, s, p, rc) in LOADS.items():
         geo = DcnGeometry(n, h, w, g, d, (k, k), (s, s), (p, p), (1, 1), 1.0, rc)
         kk = geo.points
         x = torch.randn(n, h, w, g * d, device="cuda", generator=gen).to(dtype)
@@ -129,7 +97,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("load", "max difference")))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.family}, {args.dtype}, ms "
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, ms "
           "(do_bench_cudagraph medians); the largest difference from the first variant\n")
     print("| load | " + " | ".join(keys) + " | max difference |")
     print("|---|" + "---|" * (len(keys) + 1))
@@ -137,7 +105,7 @@ def main(argv=None):
         print(f"| {r['load']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "" for k in keys)
               + f" | {r['max difference']:.1e} |")
     if args.out:
-        env = dict(environment("cuda"), family=args.family, dtype=args.dtype, timer="triton.testing.do_bench_cudagraph median, ms",
+        env = dict(environment("cuda"), dtype=args.dtype, timer="triton.testing.do_bench_cudagraph median, ms",
                    dcnv4_cuda="installed" if DCNv4Function is not None else "not installed")
         write_results(args.out, env, rows)
 

@@ -16,8 +16,9 @@ x0 / x0+1, channel), top row and bottom row apart; in a layout where a segment's
 run, a pair is one contiguous run of 2·SEG elements.
 
 A row's point parameters: where a row's (up to 16) points keep their coordinates and weights in contiguous runs
-(DCNv3/DCNv4, attention), ``row_points`` loads them as tiles and splits them into per-point columns in registers
-(``split_columns``); ``join_columns`` puts per-point results back into a tile for one store.
+(DCNv3/DCNv4's offsets and weights; attention's locations and weights are laid out alike), ``row_points`` loads them
+as tiles and splits them into per-point columns in registers (``split_columns``); ``join_columns`` puts per-point
+results back into a tile for one store.
 """
 
 import triton
