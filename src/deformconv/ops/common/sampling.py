@@ -282,6 +282,19 @@ def scatter_add(ptrs, vals, mask, scale, FIXED: tl.constexpr):
 
 
 @triton.jit
+def scatter_corners(ptr, p00, cc, d_ok, g, w00, w01, w10, w11, v00, v01, v10, v11, ROW, PIX, scale,
+                    FIXED: tl.constexpr):
+    """grad_input's adds of g [BM, BC] (fp32) times each corner's weight [BM] at the 4 corners of each sample point
+    (load_corners' layout: channels cc, those d_ok marks, from p00; rows ROW and pixels PIX elements apart)."""
+    ptrs = ptr + p00[:, None] + cc[None, :]
+    dm = d_ok[None, :]
+    scatter_add(ptrs, g * w00[:, None], v00[:, None] & dm, scale, FIXED)
+    scatter_add(ptrs + PIX, g * w01[:, None], v01[:, None] & dm, scale, FIXED)
+    scatter_add(ptrs + ROW, g * w10[:, None], v10[:, None] & dm, scale, FIXED)
+    scatter_add(ptrs + ROW + PIX, g * w11[:, None], v11[:, None] & dm, scale, FIXED)
+
+
+@triton.jit
 def scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr,
                   PAIRS_OUTER: tl.constexpr, c_ok=None):
     """grad_input's adds at the 4 corners of each sample point, as corner_pairs' two pairs: grad_col g

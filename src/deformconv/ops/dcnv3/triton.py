@@ -31,7 +31,7 @@ from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
 from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
-                               scatter_add)
+                               scatter_corners)
 from .geometry import DcnGeometry
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -181,13 +181,8 @@ def _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk
             gy = tl.where(inside, f * sy, 0.0)
     if NEED_IN:
         w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-        ptrs = gin_ptr + p00[:, None] + cc[None, :]
-        row = W * C
-        dm = d_ok[None, :]
-        scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
-        scatter_add(ptrs + C, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
-        scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
-        scatter_add(ptrs + row + C, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+        scatter_corners(gin_ptr, p00, cc, d_ok, go, w00, w01, w10, w11, v00, v01, v10, v11, W * C, C, fixed_scale,
+                        FIXED)
     return gm, gx, gy
 
 

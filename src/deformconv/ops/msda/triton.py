@@ -20,7 +20,7 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
-from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_add
+from ..common.sampling import bilinear_weights, blend, load_corners, point_corners, scatter_corners
 
 # --- configs -------------------------------------------------------------------------------------------
 
@@ -164,13 +164,8 @@ def _msda_bwd_kernel(
                              mask=r_ok)
             if NEED_V:
                 w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
-                ptrs = gv_ptr + p00[:, None] + cc[None, :]
-                row = w * PIX
-                dm = d_ok[None, :]
-                scatter_add(ptrs, go * w00[:, None], v00[:, None] & dm, fixed_scale, FIXED)
-                scatter_add(ptrs + PIX, go * w01[:, None], v01[:, None] & dm, fixed_scale, FIXED)
-                scatter_add(ptrs + row, go * w10[:, None], v10[:, None] & dm, fixed_scale, FIXED)
-                scatter_add(ptrs + row + PIX, go * w11[:, None], v11[:, None] & dm, fixed_scale, FIXED)
+                scatter_corners(gv_ptr, p00, cc, d_ok, go, w00, w01, w10, w11, v00, v01, v10, v11, w * PIX, PIX,
+                                fixed_scale, FIXED)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
