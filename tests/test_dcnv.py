@@ -347,6 +347,62 @@ def test_triton_dcnv4_matches_the_reference():
 
 
 @requires_interpreter
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4"])
+def test_planned_calls_match_the_registered_ops(op):
+    """The eager fast path's per-signature Call (dcnv._planned: launches worked out once) against the registered op:
+    bit for bit, at a second call of the same signature with new inputs (nothing of the first kept), with other
+    inputs requiring gradients, under autocast, and where a tensor is not contiguous or not 16-byte aligned (other
+    signatures, or the general path)."""
+    from deformconv.config import options
+
+    name = "remove-center-scale"
+    _, params, rc = _case(name)
+    kh, kw, sh, sw, ph, pw, dh, dw, g, d, scale = params
+
+    def leaves_for(seed, grads=None):
+        (x, offset, mask), _, _ = _case(name, torch.float32, seed=seed)
+        leaves = [x, offset, mask] if op == "dcnv3" else [x, deformconv.dcnv3_to_dcnv4(offset, mask, g)]
+        return [t.requires_grad_(r) for t, r in zip(leaves, grads or [True] * len(leaves))]
+
+    def ours(*t):
+        return getattr(deformconv, op)(*t, *params, 256, rc, backend="triton")
+
+    def registered(*t):
+        return getattr(torch.ops.deformconv, op)(*t, [kh, kw], [sh, sw], [ph, pw], [dh, dw], g, d, scale, rc,
+                                                 "triton")
+
+    def check(leaves, autocast=None):
+        gout = torch.randn(leaves[0].shape[0], *leaves[1].shape[1:3], leaves[0].shape[3])
+        results = []
+        for fn in (ours, registered):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                out = fn(*leaves)
+            wanted = [t for t in leaves if t.requires_grad]
+            grads = iter(torch.autograd.grad(out, wanted, gout.to(out.dtype)))
+            results.append([out] + [next(grads) if t.requires_grad else None for t in leaves])
+        for i, (a, b) in enumerate(zip(*results)):
+            assert (a is None) == (b is None), i
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), i
+        return results[0]
+
+    options.clear()
+    first = check(leaves_for(0))
+    assert len([c for c in options.cache("dcnv_eager").values() if c is not None]) == 1  # the planned path taken
+    second = check(leaves_for(1))
+    assert not torch.equal(first[0], second[0])
+    assert len(options.cache("dcnv_eager")) == 1  # the same signature: the same Call
+    check(leaves_for(2, [False, True, False][:2 if op == "dcnv4" else 3]))
+    check(leaves_for(3, [True, False, True][:2 if op == "dcnv4" else 3]))
+    check(leaves_for(4), autocast=torch.float16)
+    x, *rest = leaves_for(5)
+    check([x.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_(), *rest])
+    misaligned = torch.empty(x.numel() + 1)[1:].view(x.shape).copy_(x).requires_grad_()
+    assert misaligned.data_ptr() % 16 and misaligned.is_contiguous()
+    check([misaligned, *rest])
+
+
+@requires_interpreter
 def test_triton_deterministic_mode_is_reproducible_and_right():
     """torch.use_deterministic_algorithms(True): grad_input summed in int64 fixed point, the same bits on every run,
     within fp32's tolerance of the reference."""

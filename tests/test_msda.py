@@ -156,6 +156,25 @@ def test_triton_unrolled_forward_is_right():
 
 
 @requires_interpreter
+@pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-point-loads"])
+@pytest.mark.parametrize("name", ["sixteen-points", "4-levels", "twenty-points"])
+def test_triton_parameters_preloaded_or_per_point_are_right(name, preload):
+    """A query's locations and weights loaded for all its points first (options.preload_points, where L·P ≤ 16: all 16
+    columns used, or 12) or a point at a time (the default; always beyond 16): both give the reference's output and
+    gradients."""
+    from deformconv.config import options
+
+    value, shapes, starts, loc, attn = _case(name, seed=4)
+    gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
+    with options.override(preload_points=preload):
+        ours = _grads(_ours, value, shapes, starts, loc, attn, gout, torch.float32, "triton")
+    ref = _grads(_ours, value.float().double(), shapes, starts, loc.float().double(), attn.float().double(), gout,
+                 backend="reference")
+    for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
+        assert_close(a, b, torch.float32, what)
+
+
+@requires_interpreter
 def test_triton_deterministic_mode_is_reproducible_and_right():
     value, shapes, starts, loc, attn = _case("4-levels", seed=2)
     gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], dtype=torch.float64)
@@ -168,6 +187,60 @@ def test_triton_deterministic_mode_is_reproducible_and_right():
     ref = _grads(_ours, value.float().double(), shapes, starts, loc.float().double(), attn.float().double(), gout,
                  backend="reference")
     assert_close(runs[0][1], ref[1], torch.float32, "grad_value")
+
+
+def _op_path(value, shapes, starts, loc, attn):
+    """The registered op (the dispatcher, its autograd and autocast registrations): the general path."""
+    return torch.ops.deformconv.ms_deform_attn(value, shapes, starts, loc, attn, "triton")
+
+
+def _out_and_grads(fn, leaves, others, gout):
+    """fn's output and the gradients of the leaves that require one (None for the others)."""
+    value, loc, attn = leaves
+    out = fn(value, others[0], others[1], loc, attn)
+    wanted = [t for t in leaves if t.requires_grad]
+    grads = iter(torch.autograd.grad(out, wanted, gout.to(out.dtype)))
+    return [out] + [next(grads) if t.requires_grad else None for t in leaves]
+
+
+@requires_interpreter
+def test_planned_calls_match_the_registered_op():
+    """The eager fast path's per-signature Call (msda._planned: launches worked out once) against the registered op:
+    bit for bit, at a second call of the same signature with new inputs (nothing of the first kept), with a
+    different set of inputs requiring gradients, under autocast, and where a tensor is not contiguous or not 16-byte
+    aligned (other signatures, or the general path)."""
+    from deformconv.config import options
+
+    def leaves_for(seed, dtype=torch.float32, grads=(True, True, True)):
+        value, shapes, starts, loc, attn = _case("4-levels", seed=seed)
+        return [t.to(dtype).requires_grad_(g) for t, g in zip((value, loc, attn), grads)], (shapes, starts)
+
+    def check(leaves, others, autocast=None):
+        gout = torch.randn(leaves[0].shape[0], leaves[1].shape[1], leaves[0].shape[2] * leaves[0].shape[3])
+        with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+            ours = _out_and_grads(lambda *a: deformconv.ms_deform_attn(*a, backend="triton"), leaves, others, gout)
+            ref = _out_and_grads(_op_path, leaves, others, gout)
+        for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
+            assert (a is None) == (b is None), what
+            if a is not None:
+                assert a.dtype == b.dtype and torch.equal(a, b), what
+        return ours
+
+    options.clear()
+    first = check(*leaves_for(0))
+    calls = [c for c in options.cache("msda_eager").values() if c is not None]
+    assert len(calls) == 1  # the planned path was taken
+    second = check(*leaves_for(1))
+    assert not torch.equal(first[0], second[0])
+    assert len(options.cache("msda_eager")) == 1  # the same signature: the same Call
+    check(*leaves_for(2, grads=(False, False, True)))
+    check(*leaves_for(3, grads=(True, True, False)))
+    check(*leaves_for(4), autocast=torch.float16)
+    (value, loc, attn), others = leaves_for(5)
+    check([value.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_(), loc, attn], others)
+    misaligned = torch.empty(value.numel() + 1)[1:].view(value.shape).copy_(value).requires_grad_()
+    assert misaligned.data_ptr() % 16 and misaligned.is_contiguous()
+    check([misaligned, loc, attn], others)
 
 
 def test_registrations_compile_export_and_autocast():

@@ -319,6 +319,8 @@ def main(argv=None) -> int:
                     "CodegenProfile); default: the installed Triton's")
     ap.add_argument("--scalars-constant", action="store_true", help="also compile each kernel with every scalar "
                     "argument a constant, as torch.compile's mutation analysis does in some torch versions")
+    ap.add_argument("--preload", action="store_true", help="the gather kernels with a row's point parameters loaded "
+                    "first wherever they fit (options.preload_points=True; attention's default is off)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--compare", help="an earlier --json: list the variants whose machine code changed")
     a = ap.parse_args(argv)
@@ -329,11 +331,14 @@ def main(argv=None) -> int:
     SCALARS_CONSTANT["on"] = a.scalars_constant
     pretend_gpu(a.arch)
     force_triton_on_cpu(a.arch)
+    from deformconv.config import options
+
     if a.profile:
         from deformconv import compat
-        from deformconv.config import options
 
         options.profile = compat.TRITON_3_6 if a.profile == "3.6" else compat.TRITON_3_8
+    if a.preload:
+        options.preload_points = True
     torch.manual_seed(0)
     # --quick: each kernel's constexpr branches once: fp32 as is, bf16 in deterministic mode
     runs = ([(torch.float32, False), (torch.bfloat16, True)] if a.quick else

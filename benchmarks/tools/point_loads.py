@@ -1,10 +1,13 @@
-"""The DCNv3/DCNv4 kernels' point parameters, loaded a point at a time or all of a position's first, timed side by
-side on a GPU: each point's offsets and weight loaded at that point (options.preload_points=False), or a position's
+"""The gather kernels' point parameters, loaded a point at a time or all of a row's first, timed side by side on a GPU.
+
+DCNv3/DCNv4: each point's offsets and weight loaded at that point (options.preload_points=False), or a position's
 offsets and weights for all its points loaded first (the default where K ≤ 16), the latter at other tiles too
 (options.gather_tile); the forward beside DCNv4's CUDA kernel where importable (bench_dcnv.py's docstring says how to
 build it). Loads: bench_dcnv.py's, and shapes it never tuned for (5×5, stride 2, wide and odd groups, a small batch).
+Multi-scale deformable attention (--family msda): the same two ways of loading a query's locations and weights, and
+smaller tiles, at bench_msda.py's loads and a one-image decoder.
 
-    python benchmarks/tools/point_loads.py [--dtype float16] [--out PATH]
+    python benchmarks/tools/point_loads.py [--family dcnv|msda] [--dtype float16] [--out PATH]
 
 GPU time: `do_bench_cudagraph` medians (ms) of the forward's kernel (DCNv4's eager call is bound by its host), then
 of the backward's (both gradients) with and without the preload. Each variant's results are compared with the
@@ -45,6 +48,49 @@ VARIANTS = [
 ]
 
 
+# (label, options) of attention's kernels: both ways of loading, and smaller tiles (more programs at the decoders'
+# few queries: 600 query rows fill 19 programs of 32 rows a head)
+ATTENTION_VARIANTS = [
+    ("per-point loads", dict(preload_points=False)),
+    ("preload", dict(preload_points=True)),
+    ("preload 512x4", dict(preload_points=True, gather_tile=(512, 4))),
+    ("preload 256x2", dict(preload_points=True, gather_tile=(256, 2))),
+    ("per-point 256x2", dict(preload_points=False, gather_tile=(256, 2))),
+]
+
+
+def attention_rows(dtype, bench, options):
+    """bench_msda.py's loads, and a single-image decoder: forward and backward (all three gradients) of each
+    variant."""
+    import bench_msda
+
+    from deformconv.ops.msda import triton as kernels
+
+    rows = []
+    loads = dict(bench_msda.LOADS, **{"decoder-100-batch1": 100})
+    for name, queries in loads.items():
+        value, shapes, starts, loc, attn = (t.detach() for t in bench_msda._inputs(queries, dtype))
+        if name.endswith("batch1"):
+            value, loc, attn = value[:1].contiguous(), loc[:1].contiguous(), attn[:1].contiguous()
+        go = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device="cuda", dtype=dtype)
+        row, first, err = dict(load=name), None, 0.0
+        for label, changes in ATTENTION_VARIANTS:
+            with options.override(**changes):
+                got = [kernels.ms_deform_attn_forward(value, shapes, starts, loc, attn),
+                       *kernels.ms_deform_attn_backward(go, value, shapes, starts, loc, attn, (True, True, True))]
+                first = got if first is None else first
+                err = max([err] + [((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                                   for a, b in zip(got, first)])
+                row[label] = bench(lambda: kernels.ms_deform_attn_forward(value, shapes, starts, loc, attn),
+                                   return_mode="median")
+                row[f"bwd: {label}"] = bench(lambda: kernels.ms_deform_attn_backward(
+                    go, value, shapes, starts, loc, attn, (True, True, True)), return_mode="median")
+        row["max difference"] = err
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None):
     from triton.testing import do_bench_cudagraph as bench
 
@@ -55,6 +101,7 @@ def main(argv=None):
     from deformconv.ops.dcnv3.geometry import DcnGeometry
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--family", default="dcnv", choices=["dcnv", "msda"])
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
@@ -64,8 +111,8 @@ def main(argv=None):
     except Exception:  # not installed: its column is left out
         DCNv4Function = None
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = []
-    for name, (n, h, w, g, d, k, s, p, rc) in LOADS.items():
+    rows = [] if args.family == "dcnv" else attention_rows(dtype, bench, options)
+    for name, (n, h, w, g, d, k, s, p, rc) in (LOADS if args.family == "dcnv" else {}).items():
         geo = DcnGeometry(n, h, w, g, d, (k, k), (s, s), (p, p), (1, 1), 1.0, rc)
         kk = geo.points
         x = torch.randn(n, h, w, g * d, device="cuda", generator=gen).to(dtype)
@@ -97,7 +144,7 @@ def main(argv=None):
         rows.append(row)
         print(json.dumps(row), flush=True)
     keys = list(dict.fromkeys(k for r in rows for k in r if k not in ("load", "max difference")))
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.dtype}, ms "
+    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.family}, {args.dtype}, ms "
           "(do_bench_cudagraph medians); the largest difference from the first variant\n")
     print("| load | " + " | ".join(keys) + " | max difference |")
     print("|---|" + "---|" * (len(keys) + 1))
@@ -105,7 +152,7 @@ def main(argv=None):
         print(f"| {r['load']} | " + " | ".join(f"{r[k]:.3f}" if k in r else "" for k in keys)
               + f" | {r['max difference']:.1e} |")
     if args.out:
-        env = dict(environment("cuda"), dtype=args.dtype, timer="triton.testing.do_bench_cudagraph median, ms",
+        env = dict(environment("cuda"), family=args.family, dtype=args.dtype, timer="triton.testing.do_bench_cudagraph median, ms",
                    dcnv4_cuda="installed" if DCNv4Function is not None else "not installed")
         write_results(args.out, env, rows)
 

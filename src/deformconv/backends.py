@@ -9,13 +9,13 @@ that cannot run raises with its reasons; when none can, the error lists every ba
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import config
+from .ops.common.launch import on_device_of
 
 ENV_VAR = "DEFORMCONV_BACKEND"
 
@@ -150,26 +150,16 @@ class TritonBackend(Backend):
     def forward(self, input, *args, keep=None):
         from .ops.deform_conv2d.forward import deform_conv2d_forward
 
-        with _on_device_of(input):
+        with on_device_of(input):
             return deform_conv2d_forward(input, *args, keep=keep)
 
     def backward(self, grad_out, input, *args, keep=None):
         from .ops.deform_conv2d.backward import deform_conv2d_backward
 
-        with _on_device_of(input):
+        with on_device_of(input):
             keep = keep or {}  # None where the forward kept nothing
             return deform_conv2d_backward(grad_out, input, *args, packed_weight=keep.get("packed_weight"),
                                           operands=(keep.get("offset"), keep.get("mask")))
-
-
-def _on_device_of(t: torch.Tensor):
-    """Triton launches on the *current* CUDA device: make it the tensor's (as a C++ op's device guard does),
-    else a call on cuda:1 while cuda:0 is current would launch with foreign pointers. (Traced launches: the compiled
-    code guards its device itself.)"""
-    if (t.device.type == "cuda" and not config.tracing() and t.device.index is not None
-            and t.device.index != torch.cuda.current_device()):
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
 
 
 BACKENDS: Dict[str, Backend] = {b.name: b for b in (TritonBackend(), CpuBackend(), ReferenceBackend())}

@@ -8,9 +8,12 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .backends import op_backend_name
+from .backends import op_backend_name, select_op_backend
 from .checks import check_once
-from .eager import autocasting, run_eager
+from .config import options
+from .eager import PlannedCall, autocasting, fast_path_ok, needs_grad, run_eager
+from .library import autocast_inputs
+from .ops.common.launch import remember
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
 
@@ -62,6 +65,69 @@ def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_l
         raise TypeError(f"{name} must have input's dtype {input.dtype}, got {t.dtype}")
 
 
+def _checked_v3(input: Tensor, offset: Tensor, mask: Tensor, params: tuple) -> DcnGeometry:
+    """dcnv3's argument checks (bad input raises, naming the argument): its geometry."""
+    geo = _check(input, *params)
+    _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
+    _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
+    return geo
+
+
+def _checked_v4(input: Tensor, offset_mask: Tensor, params: tuple) -> DcnGeometry:
+    """dcnv4's argument checks: its geometry."""
+    geo = _check(input, *params)
+    _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
+                  last_at_least=True)
+    return geo
+
+
+_UNSEEN = object()
+_PLAIN_PARAMS = (int, float, bool)
+
+
+def _planned(op: str, tensors: tuple, params: tuple, backend: Optional[str]) -> Optional[Tensor]:
+    """The op's result through its call signature's Call of the Triton kernels (ops/dcnv3/triton.py) in one autograd
+    node (eager.PlannedCall), or None where the call takes the general path: not a plain eager call (fast_path_ok),
+    a tensor not contiguous, arguments of other types, an empty batch, or another backend. The first call of a
+    signature runs the checks and picks the backend; later ones look the Call up (the arguments, each tensor's
+    shape, dtype, device and pointer alignment, the backend and autocast's state: all that either depends on). Under
+    autocast the inputs are cast as the op's autocast rule casts them."""
+    if (backend is not None and type(backend) is not str) or not all(type(p) in _PLAIN_PARAMS for p in params):
+        return None
+    if not fast_path_ok(tensors):
+        return None
+    device_type = "cuda" if tensors[0].is_cuda else "cpu"
+    autocast_on = torch.is_autocast_enabled(device_type)
+    if autocast_on:
+        tensors = autocast_inputs(tensors, device_type)
+    key = [op, params, backend, autocast_on]
+    for t in tensors:
+        if not t.is_contiguous():
+            return None
+        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16))
+    key = tuple(key)
+    calls = options.cache("dcnv_eager")
+    call = calls.get(key, _UNSEEN)
+    if call is _UNSEEN:
+        call = remember(calls, key, _new_call(op, tensors, params, backend))
+    if call is None:
+        return None
+    if needs_grad(tensors):
+        return PlannedCall.apply(call, *tensors)
+    return call.forward(*tensors)
+
+
+def _new_call(op: str, tensors: tuple, params: tuple, backend: Optional[str]):
+    """_planned's Call for a new signature (the checks run here: bad input raises), or None: the general path."""
+    geo = _checked_v3(*tensors, params) if op == "dcnv3" else _checked_v4(*tensors, params)
+    input = tensors[0]
+    if input.shape[0] == 0 or select_op_backend(input.device, input.dtype, op_backend_name(backend)) != "triton":
+        return None
+    from .ops.dcnv3 import triton as kernels
+
+    return kernels.call_for(geo, op == "dcnv4", *tensors)
+
+
 def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: int, stride_h: int, stride_w: int,
           pad_h: int, pad_w: int, dilation_h: int, dilation_w: int, group: int, group_channels: int,
           offset_scale: float, im2col_step: int = 256, remove_center: bool = False, *,
@@ -98,15 +164,12 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
         torch.Size([2, 9, 11, 32])
     """
     params = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
-            offset_scale, remove_center)
-
-    def check():
-        geo = _check(input, *params)
-        _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
-        _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
-        return geo
-
-    geo = check_once("dcnv3", (input, offset, mask), check, params + (autocasting(input),))  # (the dtype rule depends on it)
+              offset_scale, remove_center)
+    out = _planned("dcnv3", (input, offset, mask), params, backend)
+    if out is not None:
+        return out
+    geo = check_once("dcnv3", (input, offset, mask), lambda: _checked_v3(input, offset, mask, params),
+                     params + (autocasting(input),))  # (the dtype rule depends on it)
     args = (input, offset, mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv3_forward, _op.dcnv3_backward, (0, 1, 2), args)
@@ -141,15 +204,12 @@ def dcnv4(input: Tensor, offset_mask: Tensor, kernel_h: int, kernel_w: int, stri
         torch.Size([2, 9, 11, 64])
     """
     params = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
-            offset_scale, remove_center)
-
-    def check():
-        geo = _check(input, *params)
-        _check_tensor(offset_mask, "offset_mask", (geo.batch, geo.out_h, geo.out_w, geo.dcnv4_channels()), input,
-                      last_at_least=True)
-        return geo
-
-    geo = check_once("dcnv4", (input, offset_mask), check, params + (autocasting(input),))  # (the dtype rule depends on it)
+              offset_scale, remove_center)
+    out = _planned("dcnv4", (input, offset_mask), params, backend)
+    if out is not None:
+        return out
+    geo = check_once("dcnv4", (input, offset_mask), lambda: _checked_v4(input, offset_mask, params),
+                     params + (autocasting(input),))  # (the dtype rule depends on it)
     args = (input, offset_mask, list(geo.kernel), list(geo.stride), list(geo.pad), list(geo.dilation), geo.group,
             geo.group_channels, geo.offset_scale, geo.remove_center, op_backend_name(backend))
     out = run_eager(_op.dcnv4_forward, _op.dcnv4_backward, (0, 1), args)

@@ -121,6 +121,27 @@ class _EagerOp(torch.autograd.Function):
         return (None, None, None, *grads)
 
 
+class PlannedCall(torch.autograd.Function):
+    """A call of a new op whose launches were worked out once for its call signature (a family's ``Call``, e.g.
+    ops/msda/triton.py's), around one autograd node: forward(call, *tensors) = call.forward(*tensors); the backward
+    takes call.grads(grad_out, *tensors, needs) -> one gradient (or None) per tensor. The leanest eager path: no
+    argument handling beyond what the Call itself needs."""
+
+    @staticmethod
+    def forward(ctx, call, *tensors):
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        return call.forward(*tensors)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        needs = ctx.needs_input_grad[1:]
+        if not any(needs):
+            return (None,) * (1 + len(needs))
+        return (None, *ctx.call.grads(grad_out, *ctx.saved_tensors, needs))
+
+
 def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tensor]:
     """A new op's call on its eager fast path, or None where it must take the registered op (fast_path_ok says why).
     Under autocast the floating arguments are cast as the op's autocast rule casts them (all but the indices in keep),

@@ -10,9 +10,12 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .backends import op_backend_name
+from .backends import op_backend_name, select_op_backend
 from .checks import check_once
-from .eager import run_eager
+from .config import options
+from .eager import PlannedCall, fast_path_ok, needs_grad, run_eager
+from .library import autocast_inputs
+from .ops.common.launch import remember
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
 
@@ -82,21 +85,77 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         >>> deformconv.ms_deform_attn(value, shapes, starts, loc, attn).shape
         torch.Size([2, 30, 256])
     """
+    out = _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend)
+    if out is not None:
+        return out
     check_once("ms_deform_attn", (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
                lambda: _check_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
-    s = value.shape[1]
     if spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: check the levels
-        sizes = spatial_shapes.prod(1)
-        if bool((spatial_shapes < 0).any()) or int(sizes.sum()) != s:
-            raise ValueError(f"spatial_shapes' levels must cover value's S = {s} pixels, got "
-                             f"{spatial_shapes.tolist()} ({int(sizes.sum())})")
-        if not torch.equal(level_start_index.to(torch.int64), torch.cumsum(sizes, 0) - sizes):
-            raise ValueError(f"level_start_index must be each level's start {(torch.cumsum(sizes, 0) - sizes).tolist()}"
-                             f", got {level_start_index.tolist()}")
+        _check_levels(spatial_shapes, level_start_index, value.shape[1])
     args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
             attention_weights, op_backend_name(backend))
     out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=(3,))
     return out if out is not None else torch.ops.deformconv.ms_deform_attn(*args)
+
+
+def _check_levels(spatial_shapes: Tensor, level_start_index: Tensor, s: int) -> None:
+    """The levels' sizes against value's S pixels and their starts, where the shape tensors are on the CPU (read in
+    Python: a few tensor ops would cost more than the kernels at small loads)."""
+    shapes = spatial_shapes.tolist()
+    sizes = [h * w for h, w in shapes]
+    if any(h < 0 or w < 0 for h, w in shapes) or sum(sizes) != s:
+        raise ValueError(f"spatial_shapes' levels must cover value's S = {s} pixels, got {shapes} ({sum(sizes)})")
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if level_start_index.tolist() != starts:
+        raise ValueError(f"level_start_index must be each level's start {starts}, got {level_start_index.tolist()}")
+
+
+_UNSEEN = object()
+
+
+def _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend):
+    """ms_deform_attn through its call signature's Call of the Triton kernels (ops/msda/triton.py) in one autograd
+    node (eager.PlannedCall), or None where the call takes the general path: not a plain eager call (fast_path_ok), a
+    tensor not contiguous, shape tensors not int64, empty, or another backend. The first call of a signature runs
+    the checks and picks the backend; later ones look the Call up (shapes, dtypes, devices, 16-byte alignments,
+    backend: all that either depends on). Under autocast the inputs are cast as the op's autocast rule casts them."""
+    if backend is not None and type(backend) is not str:
+        return None
+    tensors = [value, spatial_shapes, level_start_index, sampling_locations, attention_weights]
+    if not fast_path_ok(tensors):
+        return None
+    device_type = "cuda" if value.is_cuda else "cpu"
+    if torch.is_autocast_enabled(device_type):
+        tensors = autocast_inputs(tensors, device_type, keep=(3,))
+    key = [backend]
+    for t in tensors:
+        if not t.is_contiguous():
+            return None
+        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
+    key = tuple(key)
+    calls = options.cache("msda_eager")
+    call = calls.get(key, _UNSEEN)
+    if call is _UNSEEN:
+        call = remember(calls, key, _new_call(tensors, backend))
+    if call is None:
+        return None
+    if spatial_shapes.is_cpu:
+        _check_levels(spatial_shapes, level_start_index, value.shape[1])
+    if needs_grad(tensors):
+        return PlannedCall.apply(call, *tensors)
+    return call.forward(*tensors)
+
+
+def _new_call(tensors, backend):
+    """_planned's Call for a new signature (its checks run here: bad input raises), or None: the general path."""
+    _check_args(*tensors)
+    value, shapes, starts, loc, _ = tensors
+    if (shapes.dtype != torch.int64 or starts.dtype != torch.int64 or value.numel() == 0 or loc.numel() == 0
+            or select_op_backend(value.device, value.dtype, op_backend_name(backend)) != "triton"):
+        return None
+    from .ops.msda import triton as kernels
+
+    return kernels.call_for(*tensors)
 
 
 # --- modules -------------------------------------------------------------------------------------------

@@ -41,13 +41,18 @@ def _run(backend, dtype, value, shapes, starts, loc, attn, gout):
     return [out, *torch.autograd.grad(out, leaves, gout.to(out.dtype))]
 
 
+@pytest.mark.parametrize("preload", [False, True], ids=["per-point-loads", "preloaded"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CASES))
-def test_against_the_reference(name, dtype):
+def test_against_the_reference(name, dtype, preload):
+    """Both ways of loading a query's locations and weights (options.preload_points; preloaded only where L·P ≤ 16)."""
+    from deformconv.config import options
+
     value, shapes, starts, loc, attn = _case(name)
     gout = torch.randn(value.shape[0], loc.shape[1], value.shape[2] * value.shape[3], device="cuda",
                        dtype=torch.float64)
-    ours = _run("triton", dtype, value, shapes, starts, loc, attn, gout)
+    with options.override(preload_points=preload):
+        ours = _run("triton", dtype, value, shapes, starts, loc, attn, gout)
     ref = _run("reference", dtype, value, shapes, starts, loc, attn, gout)
     for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
         assert_close(a, b, dtype, what)

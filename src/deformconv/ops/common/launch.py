@@ -8,6 +8,7 @@ the kernels themselves.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Dict, Sequence, Tuple
 
@@ -74,6 +75,17 @@ def backward_warps(warps: int, fixed: bool) -> int:
     """A gather kernel's backward warps: twice the tile's in deterministic mode, whose int64 fixed-point scatters
     take the registers of twice the elements a thread (201-255 a thread at the forward's share, 116-192 at half)."""
     return warps * 2 if fixed else warps
+
+
+def on_device_of(t: Tensor):
+    """Triton launches on the *current* CUDA device: a context making it the tensor's (as a C++ op's device guard
+    does), else a call on cuda:1 while cuda:0 is current would launch with foreign pointers. Nothing to enter where
+    it is current already, or for traced launches (the compiled code guards its device itself)."""
+    if t.is_cuda and not config.tracing():
+        index = t.get_device()
+        if index != torch.cuda.current_device():
+            return torch.cuda.device(index)
+    return contextlib.nullcontext()
 
 
 def sm_count(device: torch.device) -> int:

@@ -27,9 +27,10 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ...config import options
+from ...config import options, tracing
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import backward_warps, ceil_div, channel_row_blocks, run_cached
+from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
+                             remember)
 from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
                                scatter_corners)
 from .geometry import DcnGeometry
@@ -275,15 +276,6 @@ def _grid(geo: DcnGeometry, meta: dict) -> tuple:
     return (ceil_div(geo.batch * geo.out_h * geo.out_w, meta["BLOCK_M"]), geo.group)
 
 
-def _forward(input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry) -> Tensor:
-    x = input.contiguous()
-    out = torch.empty(geo.batch, geo.out_h, geo.out_w, geo.channels, dtype=input.dtype, device=input.device)
-    meta = _meta(geo)
-    run_cached(_dcn_fwd_kernel, _grid(geo, meta), (x, off, msk, out), _args(x, geo, strides),
-               dict(meta, UNROLL=options.unroll_points, PRELOAD=preload_points(geo)))
-    return out
-
-
 def preload_points(geo: DcnGeometry) -> bool:
     """Whether the kernels load a position's offsets and weights for all its points first (common/sampling.py:
     row_points): where they fit one 16-column tile (every 3x3 kernel; docs/tuning.md has the times), unless
@@ -293,29 +285,97 @@ def preload_points(geo: DcnGeometry) -> bool:
     return geo.points <= 16
 
 
-def _backward(grad_out: Tensor, input: Tensor, off: Tensor, msk: Tensor, strides: Sequence[int], geo: DcnGeometry,
-              goff: Optional[Tensor], gmsk: Optional[Tensor], need_in: bool) -> Optional[Tensor]:
-    """Runs the backward kernel, writing goff and gmsk (laid out as off and msk) where given; returns grad_input."""
-    x = input.contiguous()
-    go = grad_out.contiguous()
-    fixed = need_in and torch.are_deterministic_algorithms_enabled()
-    gin = None
-    scales = None
-    if need_in:
-        gin = torch.zeros(x.shape, dtype=torch.int64 if fixed else torch.float32, device=x.device)
-        if fixed:  # a contribution is go · weight · (bilinear weight <= 1); Ho·Wo·K of them reach one element
-            scales = scales_for(max_abs(go) * max_abs(msk) * (geo.out_h * geo.out_w * geo.points))
-    meta = _meta(geo)
-    tensors = (x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
-               gmsk if gmsk is not None else msk, scales[0] if fixed else off)
-    run_cached(_dcn_bwd_kernel, _grid(geo, meta), tensors, _args(x, geo, strides),
-               dict(meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None, FIXED=fixed,
-                    num_warps=backward_warps(meta["num_warps"], fixed), PRELOAD=preload_points(geo)))
-    if gin is None:
-        return None
-    if fixed:
-        return (gin.double() * scales[1].double()).to(input.dtype)
-    return gin.to(input.dtype)
+class Call:
+    """One call signature's launches, worked out once: grid, runtime arguments, meta-parameters and the compiled
+    kernels' Launch objects (forward; backward per gradients asked for). A later call allocates its outputs and hands
+    the tensors straight to the kernels: at InternImage's late stages the Python that derives a launch costs more
+    than the kernels take (dcnv.py keeps these for its eager fast path). DCNv3's tensors are (input, offset, mask),
+    DCNv4's (input, offset_mask); all contiguous, with the dtypes, device and pointer alignments of the call it was
+    made for (call_for's key)."""
+
+    def __init__(self, geo: DcnGeometry, v4: bool, x: Tensor, offset_channels: int):
+        self.geo, self.v4 = geo, v4
+        p = offset_channels
+        self.strides = (p, 3 * geo.points, p, 3 * geo.points) if v4 else _v3_strides(geo)
+        self.meta = _meta(geo)
+        self.grid, self.args = _grid(geo, self.meta), _args(x, geo, self.strides)
+        self.out_shape = (geo.batch, geo.out_h, geo.out_w, geo.channels)
+        self.dtype, self.device = x.dtype, x.device
+        self.forward_launch = Launch(_dcn_fwd_kernel, self.grid, self.args,
+                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=preload_points(geo)))
+        self.backward_launches: dict = {}
+
+    def operands(self, tensors) -> tuple:
+        """(input, offsets, weights) as the kernels read them: DCNv4's weights are a view of offset_mask."""
+        if self.v4:
+            x, om = tensors
+            return x, om, om[..., 2 * self.geo.points:]
+        return tensors
+
+    def forward(self, *tensors) -> Tensor:
+        x, off, msk = self.operands(tensors)
+        out = torch.empty(self.out_shape, dtype=self.dtype, device=self.device)
+        with on_device_of(x):
+            self.forward_launch(x, off, msk, out)
+        return out
+
+    def grads(self, grad_out: Tensor, *tensors_and_needs) -> tuple:
+        """The gradients of the tensors (eager.PlannedCall's backward; the last argument says which are asked for);
+        DCNv4's offset_mask's padding channels zero."""
+        *tensors, needs = tensors_and_needs
+        x, off, msk = self.operands(tensors)
+        if self.v4:
+            gom = torch.zeros_like(off) if needs[1] else None
+            gin = self.backward(grad_out, x, off, msk, gom, gom[..., 2 * self.geo.points:] if needs[1] else None,
+                                bool(needs[0]))
+            return gin, gom
+        goff = torch.empty_like(off) if needs[1] else None  # the kernel stores each of their elements once
+        gmsk = torch.empty_like(msk) if needs[2] else None
+        return self.backward(grad_out, x, off, msk, goff, gmsk, bool(needs[0])), goff, gmsk
+
+    def backward(self, grad_out: Tensor, x: Tensor, off: Tensor, msk: Tensor, goff: Optional[Tensor],
+                 gmsk: Optional[Tensor], need_in: bool) -> Optional[Tensor]:
+        """Runs the backward kernel, writing goff and gmsk (laid out as off and msk) where given; returns
+        grad_input."""
+        go = grad_out.contiguous()
+        if not aligned16(go):
+            go = go.clone()
+        fixed = need_in and torch.are_deterministic_algorithms_enabled()
+        gin = scales = None
+        if need_in:
+            gin = torch.zeros(x.shape, dtype=torch.int64 if fixed else torch.float32, device=self.device)
+            if fixed:  # a contribution is go · weight · (bilinear weight <= 1); Ho·Wo·K of them reach one element
+                geo = self.geo
+                scales = scales_for(max_abs(go) * max_abs(msk) * (geo.out_h * geo.out_w * geo.points))
+        key = (need_in, goff is not None, gmsk is not None, fixed, go.dtype)
+        launch = self.backward_launches.get(key)
+        if launch is None:
+            meta = dict(self.meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None,
+                        FIXED=fixed, num_warps=backward_warps(self.meta["num_warps"], fixed),
+                        PRELOAD=preload_points(self.geo))
+            launch = self.backward_launches[key] = Launch(_dcn_bwd_kernel, self.grid, self.args, meta)
+        with on_device_of(x):
+            launch(x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
+                   gmsk if gmsk is not None else msk, scales[0] if fixed else off)
+        if gin is None:
+            return None
+        if fixed:
+            return (gin.double() * scales[1].double()).to(self.dtype)
+        return gin.to(self.dtype)
+
+
+def call_for(geo: DcnGeometry, v4: bool, *tensors: Tensor) -> Call:
+    """The Call of these contiguous tensors' signature: the geometry, DCNv3 or DCNv4, and each tensor's shape, dtype,
+    device and pointer offset from a 16-byte boundary (a DCNv4 weights view's alignment follows from its
+    offset_mask's); kept in options' cache "dcnv_calls"."""
+    if tracing():  # no addresses, nothing kept (config.tracing)
+        return Call(geo, v4, tensors[0], tensors[1].shape[-1])
+    key = (geo, v4, tensors[0].device, tuple([(t.shape, t.dtype, t.data_ptr() % 16) for t in tensors]))
+    calls = options.cache("dcnv_calls")
+    call = calls.get(key)
+    if call is None:
+        call = remember(calls, key, Call(geo, v4, tensors[0], tensors[1].shape[-1]))
+    return call
 
 
 def _v3_strides(geo: DcnGeometry) -> tuple:
@@ -325,38 +385,25 @@ def _v3_strides(geo: DcnGeometry) -> tuple:
 
 def dcn_forward(input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry) -> Tensor:
     """DCNv3: out [N, Ho, Wo, C] in input's dtype."""
-    return _forward(input, offset.contiguous(), mask.contiguous(), _v3_strides(geo), geo)
+    tensors = (input.contiguous(), offset.contiguous(), mask.contiguous())
+    return call_for(geo, False, *tensors).forward(*tensors)
 
 
 def dcn_backward(grad_out: Tensor, input: Tensor, offset: Tensor, mask: Tensor, geo: DcnGeometry,
                  needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """DCNv3: gradients (input, offset, mask); None where needs says so."""
-    need_in, need_off, need_mask = needs
-    off, msk = offset.contiguous(), mask.contiguous()
-    goff = torch.empty_like(off) if need_off else None
-    gmsk = torch.empty_like(msk) if need_mask else None
-    gin = _backward(grad_out, input, off, msk, _v3_strides(geo), geo, goff, gmsk, need_in)
-    return gin, goff, gmsk
-
-
-def _v4_operands(offset_mask: Tensor, geo: DcnGeometry):
-    om = offset_mask.contiguous()
-    k, p = geo.points, om.shape[-1]
-    return om, om[..., 2 * k:], (p, 3 * k, p, 3 * k)
+    tensors = (input.contiguous(), offset.contiguous(), mask.contiguous())
+    return call_for(geo, False, *tensors).grads(grad_out, *tensors, needs)
 
 
 def dcnv4_forward(input: Tensor, offset_mask: Tensor, geo: DcnGeometry) -> Tensor:
     """DCNv4: out [N, Ho, Wo, C], reading offset_mask in place."""
-    om, msk, strides = _v4_operands(offset_mask, geo)
-    return _forward(input, om, msk, strides, geo)
+    tensors = (input.contiguous(), offset_mask.contiguous())
+    return call_for(geo, True, *tensors).forward(*tensors)
 
 
 def dcnv4_backward(grad_out: Tensor, input: Tensor, offset_mask: Tensor, geo: DcnGeometry,
                    needs: Sequence[bool]) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """DCNv4: gradients (input, offset_mask), offset_mask's padding channels zero."""
-    need_in, need_om = needs
-    om, msk, strides = _v4_operands(offset_mask, geo)
-    gom = torch.zeros_like(om) if need_om else None
-    gin = _backward(grad_out, input, om, msk, strides, geo, gom, gom[..., 2 * geo.points:] if need_om else None,
-                    need_in)
-    return gin, gom
+    tensors = (input.contiguous(), offset_mask.contiguous())
+    return call_for(geo, True, *tensors).grads(grad_out, *tensors, needs)
