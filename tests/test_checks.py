@@ -232,12 +232,12 @@ def test_triton_launches_on_the_tensors_device(monkeypatch):
     """Triton launches on the current CUDA device; the backend switches to the input's (faked GPUs)."""
     from types import SimpleNamespace
 
-    from deformconv import backends
+    from deformconv.ops.common.launch import on_device_of
 
     entered = []
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "device", lambda d: entered.append(d) or __import__("contextlib").nullcontext())
-    backends._on_device_of(SimpleNamespace(device=torch.device("cuda", 1)))
-    backends._on_device_of(SimpleNamespace(device=torch.device("cuda", 0)))
-    backends._on_device_of(SimpleNamespace(device=torch.device("cpu")))
-    assert entered == [torch.device("cuda", 1)]
+    on_device_of(SimpleNamespace(is_cuda=True, get_device=lambda: 1))
+    on_device_of(SimpleNamespace(is_cuda=True, get_device=lambda: 0))
+    on_device_of(SimpleNamespace(is_cuda=False, get_device=lambda: -1))
+    assert entered == [1]
