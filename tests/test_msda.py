@@ -159,9 +159,9 @@ def test_triton_unrolled_forward_is_right():
 @pytest.mark.parametrize("preload", [True, False], ids=["preloaded", "per-point-loads"])
 @pytest.mark.parametrize("name", ["sixteen-points", "4-levels", "twenty-points"])
 def test_triton_parameters_preloaded_or_per_point_are_right(name, preload):
-    """A query's locations and weights loaded for all its points first (options.preload_points, where L·P ≤ 16: all 16
-    columns used, or 12) or a point at a time (the default; always beyond 16): both give the reference's output and
-    gradients."""
+    """A query's locations and weights loaded for all its points first (the default where L·P ≤ 16: all 16 columns
+    used, or 12) or a point at a time (options.preload_points=False; always beyond 16): both give the reference's
+    output and gradients."""
     from deformconv.config import options
 
     value, shapes, starts, loc, attn = _case(name, seed=4)

@@ -48,11 +48,11 @@ VARIANTS = [
 ]
 
 
-# (label, options) of attention's kernels: both ways of loading, and smaller tiles (more programs at the decoders'
-# few queries: 600 query rows fill 19 programs of 32 rows a head)
+# (label, options) of attention's kernels: both ways of loading at the former 1024x4 tile and at smaller ones (more
+# programs at the decoders' few queries); "preload 256x2" is the default
 ATTENTION_VARIANTS = [
-    ("per-point loads", dict(preload_points=False)),
-    ("preload", dict(preload_points=True)),
+    ("per-point loads", dict(preload_points=False, gather_tile=(1024, 4))),
+    ("preload", dict(preload_points=True, gather_tile=(1024, 4))),
     ("preload 512x4", dict(preload_points=True, gather_tile=(512, 4))),
     ("preload 256x2", dict(preload_points=True, gather_tile=(256, 2))),
     ("per-point 256x2", dict(preload_points=False, gather_tile=(256, 2))),

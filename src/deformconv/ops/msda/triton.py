@@ -3,9 +3,9 @@
 A program owns BLOCK_Q query rows (r = n·Lq + q) of one head m and all D channels of it (BLOCK_D ≥ D). Per level it
 reads (H_l, W_l, start_l) from the shape tensors on the device (no host read), and per point 4 corner rows of D
 contiguous channels of value [N, S, M, D] (pixels M·D elements apart: common/sampling.py's point_corners and
-load_corners), a point's location and weight loaded at that point. With options.preload_points (preload_points) a
-query's locations and weights come first for all its L·P ≤ 16 points (PRELOAD: row_points, as DCNv3's kernels take
-their offsets), and the backward's grad_location and grad_attention go out as tiles. The forward accumulates in
+load_corners). Where its L·P points fit 16 columns (preload_points) a query's locations and weights are loaded
+first for all of them (PRELOAD: row_points, as DCNv3's kernels take their offsets) and the backward's grad_location
+and grad_attention go out as tiles; beyond, a point's location and weight are loaded at that point. The forward accumulates in
 fp32. The backward recomputes each sample, reduces grad_location and grad_attention over the channels (each written
 by its one program), and adds grad_value into an fp32 buffer by atomics (int64 fixed point in deterministic mode:
 common/fixed_point.py).
@@ -29,7 +29,7 @@ from ..common.sampling import (bilinear_weights, blend, join_columns, load_corne
 
 # --- configs -------------------------------------------------------------------------------------------
 
-TILE = (1024, 4)  # (elements, warps) of a program: as DCNv3's kernels (ops/dcnv3/triton.py), the same gathers
+TILE = (256, 2)  # (elements, warps) of a program: 8 queries of 32 channels (docs/tuning.md: point parameters)
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -259,10 +259,11 @@ def _setup(value: Tensor, sampling_locations: Tensor):
 
 def preload_points(meta: dict) -> bool:
     """Whether the kernels load a query's locations and weights for all its points first (common/sampling.py:
-    row_points): only where options.preload_points asks for it and its L·P points fit one 16-column tile (Deformable
-    DETR's 4 levels × 4 points). Off by default: DCNv3's kernels gained from it (docs/tuning.md), these are not yet
-    timed with it (benchmarks/tools/point_loads.py --family msda)."""
-    return bool(options.preload_points) and meta["L"] * meta["P"] <= 16
+    row_points): where its L·P points fit one 16-column tile (Deformable DETR's 4 levels × 4 points), unless
+    options.preload_points says otherwise (docs/tuning.md has the times)."""
+    if options.preload_points is not None:
+        return options.preload_points and meta["L"] * meta["P"] <= 16
+    return meta["L"] * meta["P"] <= 16
 
 
 class Call:
