@@ -241,6 +241,8 @@ def test_planned_calls_match_the_registered_op():
     misaligned = torch.empty(value.numel() + 1)[1:].view(value.shape).copy_(value).requires_grad_()
     assert misaligned.data_ptr() % 16 and misaligned.is_contiguous()
     check([misaligned, loc, attn], others)
+    with pytest.raises(ValueError, match="level_start_index must be"):  # contents checked at every call
+        deformconv.ms_deform_attn(value, others[0], others[1] + 1, loc, attn, backend="triton")
 
 
 def test_registrations_compile_export_and_autocast():

@@ -10,10 +10,7 @@ from torch import Tensor
 
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once
-from .config import options
-from .eager import PlannedCall, autocasting, fast_path_ok, needs_grad, run_eager
-from .library import autocast_inputs
-from .ops.common.launch import remember
+from .eager import autocasting, run_eager, run_planned
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
 
@@ -81,43 +78,20 @@ def _checked_v4(input: Tensor, offset_mask: Tensor, params: tuple) -> DcnGeometr
     return geo
 
 
-_UNSEEN = object()
 _PLAIN_PARAMS = (int, float, bool)
 
 
 def _planned(op: str, tensors: tuple, params: tuple, backend: Optional[str]) -> Optional[Tensor]:
-    """The op's result through its call signature's Call of the Triton kernels (ops/dcnv3/triton.py) in one autograd
-    node (eager.PlannedCall), or None where the call takes the general path: not a plain eager call (fast_path_ok),
-    a tensor not contiguous, arguments of other types, an empty batch, or another backend. The first call of a
-    signature runs the checks and picks the backend; later ones look the Call up (the arguments, each tensor's
-    shape, dtype, device and pointer alignment, the backend and autocast's state: all that either depends on). Under
-    autocast the inputs are cast as the op's autocast rule casts them."""
+    """The op's result through its call signature's Call of the Triton kernels (ops/dcnv3/triton.py;
+    eager.run_planned), or None where the call takes the general path (eager.run_planned says when; also arguments
+    of other types, an empty batch, another backend)."""
     if (backend is not None and type(backend) is not str) or not all(type(p) in _PLAIN_PARAMS for p in params):
         return None
-    if not fast_path_ok(tensors):
-        return None
-    device_type = "cuda" if tensors[0].is_cuda else "cpu"
-    autocast_on = torch.is_autocast_enabled(device_type)
-    if autocast_on:
-        tensors = autocast_inputs(tensors, device_type)
-    key = [op, params, backend, autocast_on]
-    for t in tensors:
-        if not t.is_contiguous():
-            return None
-        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16))
-    key = tuple(key)
-    calls = options.cache("dcnv_eager")
-    call = calls.get(key, _UNSEEN)
-    if call is _UNSEEN:
-        call = remember(calls, key, _new_call(op, tensors, params, backend))
-    if call is None:
-        return None
-    if needs_grad(tensors):
-        return PlannedCall.apply(call, *tensors)
-    return call.forward(*tensors)
+    return run_planned("dcnv_eager", list(tensors), (op, params, backend),
+                       lambda t: _new_call(op, t, params, backend))
 
 
-def _new_call(op: str, tensors: tuple, params: tuple, backend: Optional[str]):
+def _new_call(op: str, tensors: list, params: tuple, backend: Optional[str]):
     """_planned's Call for a new signature (the checks run here: bad input raises), or None: the general path."""
     geo = _checked_v3(*tensors, params) if op == "dcnv3" else _checked_v4(*tensors, params)
     input = tensors[0]

@@ -18,7 +18,9 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .checks import PLAIN_TENSOR_TYPES, check_deform_conv2d_args, suggest_memory_format
-from .library import _setup_context, backward_impl, forward_impl, input_grads
+from .config import options
+from .library import _setup_context, autocast_inputs, backward_impl, forward_impl, input_grads
+from .ops.common.launch import remember
 
 _AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(d)])
                   for d in ("cuda", "cpu")}
@@ -142,6 +144,44 @@ class PlannedCall(torch.autograd.Function):
         return (None, *ctx.call.grads(grad_out, *ctx.saved_tensors, needs))
 
 
+_UNSEEN = object()
+
+
+def run_planned(cache: str, tensors: List[Tensor], extras: tuple, new_call, keep=(), each_call=None) -> Optional[Tensor]:
+    """A new op's call through its call signature's Call (PlannedCall), or None where it takes the general path: not a
+    plain eager call (fast_path_ok), a tensor not contiguous, or new_call(tensors) gave None for the signature.
+
+    The signature: extras (the op's plain arguments and backend), autocast's state, and each tensor's shape, dtype,
+    device and pointer offset from a 16-byte boundary: all that the checks, the backend choice and a compiled
+    launch depend on. new_call runs once a signature (its checks raise on bad input); options' cache ``cache`` keeps
+    what it returned. Under autocast the floating tensors are cast as the op's autocast rule casts them (all but
+    those at the indices in keep). each_call(): what must run at every call all the same (checks of tensor
+    contents)."""
+    if not fast_path_ok(tensors):
+        return None
+    device_type = "cuda" if tensors[0].is_cuda else "cpu"
+    autocast_on = torch.is_autocast_enabled(device_type)
+    if autocast_on:
+        tensors = autocast_inputs(tensors, device_type, keep)
+    key = [extras, autocast_on]
+    for t in tensors:
+        if not t.is_contiguous():
+            return None
+        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16))
+    key = tuple(key)
+    calls = options.cache(cache)
+    call = calls.get(key, _UNSEEN)
+    if call is _UNSEEN:
+        call = remember(calls, key, new_call(tensors))
+    if call is None:
+        return None
+    if each_call is not None:
+        each_call()
+    if needs_grad(tensors):
+        return PlannedCall.apply(call, *tensors)
+    return call.forward(*tensors)
+
+
 def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tensor]:
     """A new op's call on its eager fast path, or None where it must take the registered op (fast_path_ok says why).
     Under autocast the floating arguments are cast as the op's autocast rule casts them (all but the indices in keep),
@@ -150,8 +190,6 @@ def run_eager(forward, backward, differentiable, args, keep=()) -> Optional[Tens
     device_type = "cuda" if tensors[0].is_cuda else "cpu"
     autocasting = torch.is_autocast_enabled(device_type)
     if autocasting:
-        from .library import autocast_inputs
-
         args = autocast_inputs(args, device_type, keep)
         tensors = [a for a in args if isinstance(a, Tensor)]
     if not fast_path_ok(tensors):

@@ -12,10 +12,7 @@ from torch import Tensor, nn
 
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once
-from .config import options
-from .eager import PlannedCall, fast_path_ok, needs_grad, run_eager
-from .library import autocast_inputs
-from .ops.common.launch import remember
+from .eager import run_eager, run_planned
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
 
@@ -110,40 +107,17 @@ def _check_levels(spatial_shapes: Tensor, level_start_index: Tensor, s: int) -> 
         raise ValueError(f"level_start_index must be each level's start {starts}, got {level_start_index.tolist()}")
 
 
-_UNSEEN = object()
-
-
 def _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend):
-    """ms_deform_attn through its call signature's Call of the Triton kernels (ops/msda/triton.py) in one autograd
-    node (eager.PlannedCall), or None where the call takes the general path: not a plain eager call (fast_path_ok), a
-    tensor not contiguous, shape tensors not int64, empty, or another backend. The first call of a signature runs
-    the checks and picks the backend; later ones look the Call up (shapes, dtypes, devices, 16-byte alignments,
-    backend: all that either depends on). Under autocast the inputs are cast as the op's autocast rule casts them."""
+    """ms_deform_attn through its call signature's Call of the Triton kernels (ops/msda/triton.py; eager.run_planned),
+    or None where the call takes the general path (eager.run_planned says when; also shape tensors not int64, empty
+    inputs, another backend). The locations keep their dtype under autocast, as the op's rule has it."""
     if backend is not None and type(backend) is not str:
         return None
     tensors = [value, spatial_shapes, level_start_index, sampling_locations, attention_weights]
-    if not fast_path_ok(tensors):
-        return None
-    device_type = "cuda" if value.is_cuda else "cpu"
-    if torch.is_autocast_enabled(device_type):
-        tensors = autocast_inputs(tensors, device_type, keep=(3,))
-    key = [backend]
-    for t in tensors:
-        if not t.is_contiguous():
-            return None
-        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16 == 0))
-    key = tuple(key)
-    calls = options.cache("msda_eager")
-    call = calls.get(key, _UNSEEN)
-    if call is _UNSEEN:
-        call = remember(calls, key, _new_call(tensors, backend))
-    if call is None:
-        return None
-    if spatial_shapes.is_cpu:
-        _check_levels(spatial_shapes, level_start_index, value.shape[1])
-    if needs_grad(tensors):
-        return PlannedCall.apply(call, *tensors)
-    return call.forward(*tensors)
+    levels = None
+    if isinstance(spatial_shapes, Tensor) and spatial_shapes.is_cpu:  # read at every call: contents, not signature
+        levels = lambda: _check_levels(spatial_shapes, level_start_index, value.shape[1])  # noqa: E731
+    return run_planned("msda_eager", tensors, (backend,), lambda t: _new_call(t, backend), keep=(3,), each_call=levels)
 
 
 def _new_call(tensors, backend):
