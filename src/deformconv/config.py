@@ -161,7 +161,7 @@ class Options:
     go_resident: Optional[bool] = None
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     preload_points: Optional[bool] = None  # a row's point parameters loaded for all its points first (None: where
-                                           # they fit 16 columns; preload_points in dcnv3/ and msda/triton.py)
+                                           # they fit 16 columns; common/launch.py: preload_points)
     unroll_points: bool = False  # the DCNv3/DCNv4 and attention forwards' point loops unrolled (tl.static_range)
     roi_spread: Optional[int] = None  # samples of a bin side by side in RoI pooling's forward spread tile (0: never;
                                       # None: roi_pool/triton.py's BLOCK_S)

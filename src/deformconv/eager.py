@@ -147,7 +147,8 @@ class PlannedCall(torch.autograd.Function):
 _UNSEEN = object()
 
 
-def run_planned(cache: str, tensors: List[Tensor], extras: tuple, new_call, keep=(), each_call=None) -> Optional[Tensor]:
+def run_planned(cache: str, tensors: List[Tensor], extras: tuple, new_call, keep=(),
+                each_call=None) -> Optional[Tensor]:
     """A new op's call through its call signature's Call (PlannedCall), or None where it takes the general path: not a
     plain eager call (fast_path_ok), a tensor not contiguous, or new_call(tensors) gave None for the signature.
 

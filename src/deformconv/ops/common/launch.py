@@ -63,6 +63,14 @@ def gather_tile(default: Tuple[int, int]) -> Tuple[int, int]:
     return options.gather_tile or default
 
 
+def preload_points(points: int) -> bool:
+    """Whether a gather kernel loads a row's point parameters for all its points first (common/sampling.py:
+    row_points): where the points fit one 16-column tile, unless options.preload_points says otherwise
+    (docs/tuning.md has the times: DCNv3/DCNv4 and attention)."""
+    fits = points <= 16
+    return fits if options.preload_points is None else bool(options.preload_points) and fits
+
+
 def channel_row_blocks(channels: int, default: Tuple[int, int]) -> Tuple[int, int, int]:
     """(BLOCK rows, BLOCK_D, warps) of a gather kernel whose program holds every channel of its rows (positions,
     queries): BLOCK_D the power of two at or above channels, and rows filling the tile (gather_tile), 4 to 128."""

@@ -30,7 +30,7 @@ from torch import Tensor
 from ...config import options, tracing
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
-                             remember)
+                             preload_points, remember)
 from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
                                scatter_corners)
 from .geometry import DcnGeometry
@@ -276,15 +276,6 @@ def _grid(geo: DcnGeometry, meta: dict) -> tuple:
     return (ceil_div(geo.batch * geo.out_h * geo.out_w, meta["BLOCK_M"]), geo.group)
 
 
-def preload_points(geo: DcnGeometry) -> bool:
-    """Whether the kernels load a position's offsets and weights for all its points first (common/sampling.py:
-    row_points): where they fit one 16-column tile (every 3x3 kernel; docs/tuning.md has the times), unless
-    options.preload_points says otherwise."""
-    if options.preload_points is not None:
-        return options.preload_points and geo.points <= 16
-    return geo.points <= 16
-
-
 class Call:
     """One call signature's launches, worked out once: grid, runtime arguments, meta-parameters and the compiled
     kernels' Launch objects (forward; backward per gradients asked for). A later call allocates its outputs and hands
@@ -301,8 +292,9 @@ class Call:
         self.grid, self.args = _grid(geo, self.meta), _args(x, geo, self.strides)
         self.out_shape = (geo.batch, geo.out_h, geo.out_w, geo.channels)
         self.dtype, self.device = x.dtype, x.device
+        self.preload = preload_points(geo.points)
         self.forward_launch = Launch(_dcn_fwd_kernel, self.grid, self.args,
-                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=preload_points(geo)))
+                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=self.preload))
         self.backward_launches: dict = {}
 
     def operands(self, tensors) -> tuple:
@@ -352,7 +344,7 @@ class Call:
         if launch is None:
             meta = dict(self.meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None,
                         FIXED=fixed, num_warps=backward_warps(self.meta["num_warps"], fixed),
-                        PRELOAD=preload_points(self.geo))
+                        PRELOAD=self.preload)
             launch = self.backward_launches[key] = Launch(_dcn_bwd_kernel, self.grid, self.args, meta)
         with on_device_of(x):
             launch(x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,

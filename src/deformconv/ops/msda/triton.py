@@ -3,9 +3,10 @@
 A program owns BLOCK_Q query rows (r = n·Lq + q) of one head m and all D channels of it (BLOCK_D ≥ D). Per level it
 reads (H_l, W_l, start_l) from the shape tensors on the device (no host read), and per point 4 corner rows of D
 contiguous channels of value [N, S, M, D] (pixels M·D elements apart: common/sampling.py's point_corners and
-load_corners). Where its L·P points fit 16 columns (preload_points) a query's locations and weights are loaded
-first for all of them (PRELOAD: row_points, as DCNv3's kernels take their offsets) and the backward's grad_location
-and grad_attention go out as tiles; beyond, a point's location and weight are loaded at that point. The forward accumulates in
+load_corners). Where its L·P points fit 16 columns (common/launch.py: preload_points) a query's locations and
+weights are loaded first for all of them (PRELOAD: row_points, as DCNv3's kernels take their offsets) and the
+backward's grad_location and grad_attention go out as tiles; beyond, a point's location and weight are loaded at that
+point. The forward accumulates in
 fp32. The backward recomputes each sample, reduces grad_location and grad_attention over the channels (each written
 by its one program), and adds grad_value into an fp32 buffer by atomics (int64 fixed point in deterministic mode:
 common/fixed_point.py).
@@ -23,7 +24,7 @@ from torch import Tensor
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
-                             pointer_specs, remember)
+                             pointer_specs, preload_points, remember)
 from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
                                scatter_corners)
 
@@ -257,15 +258,6 @@ def _setup(value: Tensor, sampling_locations: Tensor):
     return grid, (n * lq, lq, s, m), meta  # (the sizes: the kernels' runtime arguments)
 
 
-def preload_points(meta: dict) -> bool:
-    """Whether the kernels load a query's locations and weights for all its points first (common/sampling.py:
-    row_points): where its L·P points fit one 16-column tile (Deformable DETR's 4 levels × 4 points), unless
-    options.preload_points says otherwise (docs/tuning.md has the times)."""
-    if options.preload_points is not None:
-        return options.preload_points and meta["L"] * meta["P"] <= 16
-    return meta["L"] * meta["P"] <= 16
-
-
 class Call:
     """One call signature's launches, worked out once: the grid, the runtime sizes and meta-parameters, and the
     compiled kernels' Launch objects (forward, and backward per needs). A later call of the signature allocates its
@@ -278,8 +270,9 @@ class Call:
         n, _, m, d = value.shape
         self.out_shape = (n, sampling_locations.shape[1], m * d)
         self.dtype, self.device = value.dtype, value.device
+        self.preload = preload_points(self.meta["L"] * self.meta["P"])
         self.forward_launch = Launch(_msda_fwd_kernel, self.grid, self.sizes,
-                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=preload_points(self.meta)))
+                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=self.preload))
         self.backward_launches: dict = {}
 
     def forward(self, value, shapes, starts, loc, attn) -> Tensor:
@@ -313,7 +306,7 @@ class Call:
         launch = self.backward_launches.get(key)
         if launch is None:
             meta = dict(self.meta, NEED_V=need_v, NEED_LOC=need_loc, NEED_ATTN=need_attn, FIXED=fixed,
-                        num_warps=backward_warps(self.meta["num_warps"], fixed), PRELOAD=preload_points(self.meta))
+                        num_warps=backward_warps(self.meta["num_warps"], fixed), PRELOAD=self.preload)
             launch = self.backward_launches[key] = Launch(_msda_bwd_kernel, self.grid, self.sizes, meta)
         with on_device_of(value):
             launch(value, shapes, starts, loc, attn, go, gv if gv is not None else value,
