@@ -136,6 +136,7 @@ def main(argv=None):
     ap.add_argument("--profile", help="write cProfile stats of deformconv's fp16 fwd+bwd loop here")
     ap.add_argument("--out", help="write the rows as JSON here")
     ap.add_argument("--floor", action="store_true", help="also print the floor of a Python op (see the docstring)")
+    ap.add_argument("--eager-only", action="store_true", help="leave out the torch.compile rows (their compiles)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
@@ -150,6 +151,8 @@ def main(argv=None):
     cases = [("fp16", torch.float16, None, False), ("fp32", torch.float32, None, False),
              ("autocast bf16", torch.float32, torch.bfloat16, False), ("autocast fp16", torch.float32, torch.float16, False),
              ("compiled fp16", torch.float16, None, "0"), ("compiled fp16, kernels visible", torch.float16, None, "1")]
+    if args.eager_only:
+        cases = [c for c in cases if not c[3]]
     rows = []
     for label, dtype, autocast, compiled in cases:
         for name, impl in impls.items():

@@ -676,10 +676,11 @@ def test_kept_tensors_go_through_saved_tensor_hooks_and_checkpointing(backend, d
             return checkpoint(layer, *leaves, use_reentrant=False)
     for name, g, ref in zip(GRAD_NAMES, grads(run), grads(lambda layer, leaves: layer(*leaves))):
         torch.testing.assert_close(g, ref, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
-    if wrapper == "saved-tensor-hooks":  # input, offset, weight, mask, and (Triton, 16-bit) the packed weight
-        kernels = kernel_modules()
+    if wrapper == "saved-tensor-hooks":  # input, offset, weight, mask, and (Triton, 16-bit) the packed weight; the
+        kernels = kernel_modules()       # Triton kernels' per-signature path (eager.PlannedCall) saves the bias too
 
-        assert len(packed) == (5 if backend == "triton" and not kernels.geometry.weight_k_major(dtype) else 4)
+        triton = backend == "triton"
+        assert len(packed) == 4 + triton * (1 + (not kernels.geometry.weight_k_major(dtype)))
 
 
 # long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)

@@ -116,7 +116,8 @@ def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last,
         return node, (out, offset, mask, *grads, *only_mask, *only_offset)
 
     node, fused = run(one_node, split_node)
-    assert node == "ModulatedDeformConv2dFunctionBackward", node
+    # on the Triton kernels, the per-signature path (functional._planned) takes the same output in its one node
+    assert node == ("PlannedCallBackward" if backend in ("triton", "auto") else "ModulatedDeformConv2dFunctionBackward"), node
     _, split = run(lambda *args: None, split_node)
     _, plain = run(lambda *args: None, lambda out, n_off: None)
     assert split[1].is_contiguous() and split[2].is_contiguous()

@@ -62,6 +62,7 @@ def _loads():
 
 
 def main(argv=None):
+    from deformconv.config import options
     from deformconv.ops.common import launch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -69,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--ops", nargs="+", default=["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn"])
     args = ap.parse_args(argv)
     launch.Launch.__call__ = lambda self, *tensors: None  # the Python around the launches only
+    options.layout_kernels_on_cpu = True  # layout copies through their (stubbed) kernels, as on a GPU
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}; us a call, launches stubbed\n")
     print("| op | forward, no grad | forward | forward+backward |")
     print("|---|---|---|---|")

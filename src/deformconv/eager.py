@@ -124,14 +124,20 @@ class _EagerOp(torch.autograd.Function):
 
 
 class PlannedCall(torch.autograd.Function):
-    """A call of a new op whose launches were worked out once for its call signature (a family's ``Call``, e.g.
+    """A call of an op whose launches were worked out once for its call signature (a family's ``Call``, e.g.
     ops/msda/triton.py's), around one autograd node: forward(call, *tensors) = call.forward(*tensors); the backward
     takes call.grads(grad_out, *tensors, needs) -> one gradient (or None) per tensor. The leanest eager path: no
-    argument handling beyond what the Call itself needs."""
+    argument handling beyond what the Call itself needs. A Call with ``keeps`` set returns (out, kept) from
+    forward_saving(*tensors) where a gradient can be asked for: tensors made in the forward that its backward reuses
+    (deform_conv2d's packed weight), saved beside the inputs and handed back as grads(..., kept=kept)."""
 
     @staticmethod
     def forward(ctx, call, *tensors):
-        ctx.call = call
+        ctx.call, ctx.count = call, len(tensors)
+        if getattr(call, "keeps", False):
+            out, kept = call.forward_saving(*tensors)
+            ctx.save_for_backward(*tensors, *kept)
+            return out
         ctx.save_for_backward(*tensors)
         return call.forward(*tensors)
 
@@ -141,34 +147,44 @@ class PlannedCall(torch.autograd.Function):
         needs = ctx.needs_input_grad[1:]
         if not any(needs):
             return (None,) * (1 + len(needs))
-        return (None, *ctx.call.grads(grad_out, *ctx.saved_tensors, needs))
+        saved = ctx.saved_tensors  # read once (activation checkpointing allows no more)
+        if len(saved) > ctx.count:
+            return (None, *ctx.call.grads(grad_out, *saved[:ctx.count], needs, kept=saved[ctx.count:]))
+        return (None, *ctx.call.grads(grad_out, *saved, needs))
 
 
 _UNSEEN = object()
 
 
-def run_planned(cache: str, tensors: List[Tensor], extras: tuple, new_call, keep=(),
-                each_call=None) -> Optional[Tensor]:
-    """A new op's call through its call signature's Call (PlannedCall), or None where it takes the general path: not a
-    plain eager call (fast_path_ok), a tensor not contiguous, or new_call(tensors) gave None for the signature.
+def run_planned(cache: str, tensors: List[Optional[Tensor]], extras: tuple, new_call, keep=(), each_call=None,
+                cast=None, strided: bool = False) -> Optional[Tensor]:
+    """An op's call through its call signature's Call (PlannedCall), or None where it takes the general path: not a
+    plain eager call (fast_path_ok), a tensor not contiguous (unless strided), or new_call(tensors) gave None for the
+    signature.
 
     The signature: extras (the op's plain arguments and backend), autocast's state, and each tensor's shape, dtype,
-    device and pointer offset from a 16-byte boundary: all that the checks, the backend choice and a compiled
-    launch depend on. new_call runs once a signature (its checks raise on bad input); options' cache ``cache`` keeps
-    what it returned. Under autocast the floating tensors are cast as the op's autocast rule casts them (all but
-    those at the indices in keep). each_call(): what must run at every call all the same (checks of tensor
+    device and pointer offset from a 16-byte boundary (with strided, its strides too; None for a missing optional
+    tensor): all that the checks, the backend choice and a compiled launch depend on. new_call runs once a signature
+    (its checks raise on bad input); options' cache ``cache`` keeps what it returned. Under autocast the floating
+    tensors are cast as the op's autocast rule casts them (all but those at the indices in keep), or by
+    cast(tensors, device_type) where given. each_call(): what must run at every call all the same (checks of tensor
     contents)."""
     if not fast_path_ok(tensors):
         return None
     device_type = "cuda" if tensors[0].is_cuda else "cpu"
     autocast_on = torch.is_autocast_enabled(device_type)
     if autocast_on:
-        tensors = autocast_inputs(tensors, device_type, keep)
+        tensors = cast(tensors, device_type) if cast is not None else autocast_inputs(tensors, device_type, keep)
     key = [extras, autocast_on]
     for t in tensors:
-        if not t.is_contiguous():
+        if t is None:
+            key.append(None)
+        elif strided:
+            key.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16))
+        elif not t.is_contiguous():
             return None
-        key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16))
+        else:
+            key.append((t.shape, t.dtype, t.device, t.data_ptr() % 16))
     key = tuple(key)
     calls = options.cache(cache)
     call = calls.get(key, _UNSEEN)

@@ -11,8 +11,9 @@ from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
+from . import config
 from .eager import (DeformConv2dFunction, ModulatedDeformConv2dFunction, autocasting, fast_path_ok,
-                    forward_without_grad, needs_grad, split_into)
+                    forward_without_grad, needs_grad, run_planned, split_into)
 from .library import _backend_for, autocast_inputs
 
 
@@ -26,6 +27,54 @@ def _autocast(tensors: List[Optional[Tensor]], device_type: str, backend: Option
             and _backend_for(cast[0], backend or "").name == "triton"):
         cast[2:4] = autocast_inputs(tensors[2:4], device_type)
     return cast
+
+
+def _geometry_arg(v):
+    """stride, padding or dilation as a signature holds it (hashable), or None where it is of another type (the general
+    path's checks say what is wrong with it)."""
+    if type(v) is int or type(v) is tuple:
+        return v
+    return tuple(v) if type(v) is list else None
+
+
+def _planned(tensors: list, stride, padding, dilation, backend: Optional[str], n_off: Optional[int] = None
+             ) -> Optional[Tensor]:
+    """The call through its signature's Call of the Triton kernels (ops/deform_conv2d/call.py; eager.run_planned), or
+    None where it takes the general path: eager.run_planned says when; also arguments of other types, an empty batch,
+    another backend. The signature holds the settings the plans depend on (cudnn's TF32 switch, DEFORMCONV_AUTOTUNE,
+    DEFORMCONV_BACKEND); the backward's are looked up by the Call. n_off: a modulated layer's call
+    (modulated_from_offset_conv), tensors (input, out, weight, bias)."""
+    geometry = (_geometry_arg(stride), _geometry_arg(padding), _geometry_arg(dilation))
+    if None in geometry or (backend is not None and type(backend) is not str):
+        return None
+    extras = (geometry, backend, n_off, torch.backends.cudnn.allow_tf32, config.autotune(), config.backend())
+    cast = _autocast if n_off is None else _autocast_modulated
+    return run_planned("dcn_eager", tensors, extras,
+                       lambda t: _new_call(t, stride, padding, dilation, backend, n_off),
+                       cast=lambda t, device_type: cast(t, device_type, backend), strided=True)
+
+
+def _autocast_modulated(tensors: list, device_type: str, backend: Optional[str]) -> list:
+    return _autocast([*tensors, None], device_type, backend)[:4]
+
+
+def _new_call(tensors: list, stride, padding, dilation, backend: Optional[str], n_off: Optional[int]):
+    """_planned's Call for a new signature (the checks run here: bad input raises), or None: the general path."""
+    input, weight, bias = tensors[0], tensors[2], tensors[3]
+    if n_off is None:
+        offset, mask = tensors[1], tensors[4]
+    else:
+        with torch.no_grad():  # for the checks only
+            offset, mask = split_into(tensors[1], n_off)
+    geo = check_deform_conv2d_args(input, offset, weight, bias, stride, padding, dilation, mask,
+                                   allow_mixed_dtypes=autocasting(input))
+    if backend is not None:
+        get_backend(backend)  # unknown names fail here, with the list of known ones
+    if input.shape[0] == 0 or _backend_for(input, backend or "").name != "triton":
+        return None
+    from .ops.deform_conv2d.call import call_for
+
+    return call_for(geo.stride, geo.padding, geo.dilation, n_off, tensors[1] if n_off is not None else None)
 
 
 def deform_conv2d(
@@ -88,6 +137,9 @@ def deform_conv2d(
                                                   backend or "")
     if _onnx.emits_symbolic():  # inside torch.onnx.export (dynamo): the standard DeformConv node
         return _onnx_node(input, offset, weight, bias, mask, stride, padding, dilation)
+    planned = _planned([input, offset, weight, bias, mask], stride, padding, dilation, backend)
+    if planned is not None:
+        return planned
     autocast_on = autocasting(input)
     geo = check_deform_conv2d_args(
         input, offset, weight, bias, stride, padding, dilation, mask, allow_mixed_dtypes=autocast_on
@@ -116,6 +168,10 @@ def modulated_from_offset_conv(input: Tensor, out: Tensor, n_off: int, weight: T
         device_type = input.device.type
         if out.dtype != torch.get_autocast_dtype(device_type):
             return None
+    planned = _planned(tensors, stride, padding, dilation, None, n_off)
+    if planned is not None:
+        return planned
+    if autocast_on:
         tensors = _autocast([input, out, weight, bias, None], device_type, None)[:4]
     if not fast_path_ok(tensors):
         return None

@@ -150,33 +150,50 @@ def transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tens
 
 
 def _transpose_one(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor],
-                   sums: Optional[Tensor]) -> Tensor:
-    """transpose_last's pass: one _transpose_kernel launch."""
-    key = (src.device, _transpose_key(src, a, b, out, zero, sums))
-    cache = options.cache("transposes")
-    run = cache.get(key)
+                   sums: Optional[Tensor], memo: Optional[dict] = None) -> Tensor:
+    """transpose_last's pass: one _transpose_kernel launch. memo: see run_transposes."""
+    run = memo.get("transpose") if memo is not None else None
     if run is None:
-        block_a, block_b, tiles_a, tiles_b = transpose_tiles(a, b)
-        run = remember(cache, key, Launch(_transpose_kernel, (tiles_a, tiles_b, src.shape[0]), (a, b),
-                                                  dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
-                                                       BLOCK_B=block_b, num_warps=4)))
+        key = (src.device, _transpose_key(src, a, b, out, zero, sums))
+        cache = options.cache("transposes")
+        run = cache.get(key)
+        if run is None:
+            block_a, block_b, tiles_a, tiles_b = transpose_tiles(a, b)
+            run = remember(cache, key, Launch(_transpose_kernel, (tiles_a, tiles_b, src.shape[0]), (a, b),
+                                              dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
+                                                   BLOCK_B=block_b, num_warps=4)))
+        if memo is not None:
+            memo["transpose"] = run
     run(*_transpose_tensors(src, out, zero, sums))
     return out
 
 
-def run_transposes(jobs: list) -> None:
+def run_transposes(jobs: list, memo: Optional[dict] = None) -> None:
     """Run the passes transpose_last collected in jobs: two in one launch (each launch costs host time: tens of
-    microseconds), else one by one (or with options.paired_transposes off)."""
+    microseconds), else one by one (or with options.paired_transposes off). memo: a dict kept by a caller that knows
+    the jobs' signature (the backward's), which holds the pair's launch once there is one: no key built again."""
     if len(jobs) == 2 and options.paired_transposes:
-        _transpose_pair(*jobs)
+        _transpose_pair(*jobs, memo=memo)
     else:
         for job in jobs:
             _transpose_one(*job)
     jobs.clear()
 
 
-def _transpose_pair(first: tuple, second: tuple) -> None:
+def _transpose_pair(first: tuple, second: tuple, memo: Optional[dict] = None) -> None:
     """transpose_last's two passes (src, a, b, out, zero, sums) in one _transpose_pair_kernel launch."""
+    run = memo.get("transpose_pair") if memo is not None else None
+    if run is None:
+        run = _pair_launch(first, second)
+        if memo is not None:
+            memo["transpose_pair"] = run
+    src1, _, _, out1, zero1, sums1 = first
+    src2, _, _, out2, zero2, sums2 = second
+    run(*_transpose_tensors(src1, out1, zero1, sums1), *_transpose_tensors(src2, out2, zero2, sums2))
+
+
+def _pair_launch(first: tuple, second: tuple) -> Launch:
+    """_transpose_pair's launch for these two passes' signature."""
     key = (first[0].device, _transpose_key(*first), _transpose_key(*second))
     cache = options.cache("transpose_pairs")
     run = cache.get(key)
@@ -189,9 +206,7 @@ def _transpose_pair(first: tuple, second: tuple) -> None:
                          f"BLOCK_B{i}": block_b})
         grid = (sizes[0][4] + sizes[1][4],)
         run = remember(cache, key, Launch(_transpose_pair_kernel, grid, (*sizes[0], *sizes[1][:4]), meta))
-    src1, _, _, out1, zero1, sums1 = first
-    src2, _, _, out2, zero2, sums2 = second
-    run(*_transpose_tensors(src1, out1, zero1, sums1), *_transpose_tensors(src2, out2, zero2, sums2))
+    return run
 
 
 @functools.lru_cache(maxsize=256)
@@ -281,12 +296,12 @@ def offset_grouped_empty(t: Tensor, offset_groups: int) -> Tensor:
     return torch.empty((n, offset_groups, h, w, c // offset_groups), dtype=t.dtype, device=t.device)
 
 
-def from_offset_grouped(buf: Tensor, out: Tensor) -> Tensor:
+def from_offset_grouped(buf: Tensor, out: Tensor, memo: Optional[dict] = None) -> Tensor:
     """out [N, C, H, W] (NCHW-contiguous or channels_last, any dtype) = a [N, G, H, W, C/G] buffer (G = 1:
-    an NHWC buffer)."""
+    an NHWC buffer). memo: see run_transposes."""
     n, g, h, w, cog = buf.shape
     if out.is_contiguous() and uses_layout_kernel(out):
-        transpose_last(buf.view(n * g, h * w, cog), h * w, cog, out.view(n * g, cog, h * w))
+        _transpose_one(buf.view(n * g, h * w, cog), h * w, cog, out.view(n * g, cog, h * w), None, None, memo)
         return out
     out.unflatten(1, (g, cog)).copy_(buf.permute(0, 1, 4, 2, 3))
     return out

@@ -53,6 +53,7 @@ def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
     packed_weight: Optional[Tensor] = None, operands: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
+    memo: Optional[dict] = None,
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. The batch is processed in
     chunks of images (schedule.backward_chunk_images) to bound the scratch memory. Under
@@ -60,7 +61,9 @@ def deform_conv2d_backward(
     instead of with float atomics, so every gradient is bitwise reproducible. packed_weight: the forward's
     pack_weight(weight, groups) of the same weight in input's dtype (weight_k_major False), if it kept one
     (deform_conv2d_forward's keep), else the weight is packed here. operands: the forward's contiguous copies of
-    (offset, mask), where it kept them."""
+    (offset, mask), where it kept them. memo: a dict kept by a caller that knows the call signature, grad_out's
+    layout, needs and the settings the plans depend on already (call.py): it holds the schedule and the plan once
+    there are, so that no plan key is built at later calls."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
@@ -87,8 +90,13 @@ def deform_conv2d_backward(
     pw = pb = None  # grad_weight's and grad_bias's fp32 partial sums, for finish_grads
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
-        concurrent, step = _schedule(grad_out, input, offset, weight, mask, stride, padding, dilation, need_in,
-                                     need_off or need_mask, need_w, fixed_gin)
+        found = memo.get("schedule") if memo is not None else None
+        if found is None:
+            found = _schedule(grad_out, input, offset, weight, mask, stride, padding, dilation, need_in,
+                              need_off or need_mask, need_w, fixed_gin)
+            if memo is not None:
+                memo["schedule"] = found
+        concurrent, step = found
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices cost microseconds each, so none where the chunk is the batch)
@@ -97,7 +105,8 @@ def deform_conv2d_backward(
                 tensors = tuple(t if t is None else t[n0:n0 + step] for t in tensors)
             go_c, in_c, off_c, msk_c, gin_c, goff_c, gmsk_c = tensors
             gw, pb = _backward_chunk(go_c, in_c, off_c, wp, msk_c, stride, padding, dilation, weight, scales, gin_c,
-                                     goff_c, gmsk_c, need_w, concurrent, whole, need_b and whole)
+                                     goff_c, gmsk_c, need_w, concurrent, whole, need_b and whole,
+                                     memo if whole else None)
             if not need_w:
                 continue
             if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)
@@ -114,7 +123,7 @@ def deform_conv2d_backward(
     if need_b and pb is None:
         pb = channel_sum(grad_out)
     if pw is not None or pb is not None:
-        fw, grad_b = finish_grads(weight, pw, pb, input.dtype)
+        fw, grad_b = finish_grads(weight, pw, pb, input.dtype, memo)
         grad_w = fw if pw is not None else grad_w
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 
@@ -167,6 +176,7 @@ def _backward_chunk(
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
     scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
     grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False, whole: bool = False, need_b: bool = False,
+    memo: Optional[dict] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns what the grad_weight kernel wrote (None without need_w):
@@ -174,7 +184,7 @@ def _backward_chunk(
     [rows, Cout] from grad_out's transpose pass where it has one (NCHW), else from the grad_weight kernel where it
     sums them (fused_bias), else None. grad_input's accumulator is freed before grad_weight's partials are
     allocated (the two never add up) unless concurrent: then grad_weight runs on a side stream beside the grad_input
-    kernel, its partials allocated first."""
+    kernel, its partials allocated first. memo: deform_conv2d_backward's, where the chunk is the batch."""
     # --- layouts: grad_out channels-last (vectorised, pipelined tile loads); the input NHWC or offset-grouped ---
     need_in, need_off, need_mask = grad_in is not None, grad_off is not None, grad_mask is not None
     jobs: list = []  # grad_out's and the input's transpose passes, run together below (run_transposes)
@@ -183,10 +193,15 @@ def _backward_chunk(
     msk = mask if mask is not None else off  # the mask pointer falls back to the offset; never read then
     fixed_gin = scales is not None
     plans = options.cache("plans")
-    key = plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
-                   (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off), go.stride(),
-                   need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, bias_rows, weight.stride())
-    plan = plans.get(key)
+    plan = key = None
+    if memo is not None:
+        plan = memo.get("bwd")
+    if plan is None:
+        key = plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
+                       (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off),
+                       go.stride(), need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, bias_rows,
+                       weight.stride())
+        plan = plans.get(key)
     if plan is None:
         plan = _backward_plan(input, off, weight, mask, go, stride, padding, dilation)
     geo, seg, dtype = plan.geo, plan.seg, input.dtype
@@ -194,7 +209,7 @@ def _backward_chunk(
     gin = torch.empty(plan.gin_shape, dtype=torch.int64 if fixed_gin else torch.float32,
                       device=input.device) if need_in else None
     x = to_offset_grouped(input, geo.offset_groups, gin, jobs) if plan.meta["GROUPED"] else to_nhwc(input, gin, jobs=jobs)
-    run_transposes(jobs)
+    run_transposes(jobs, memo)
 
     # --- grad_weight's config (the first call; any timing of candidates runs here), unless it takes the column
     # buffer (columns.py) ---
@@ -271,7 +286,7 @@ def _backward_chunk(
             if need_in:
                 if fixed_gin:
                     gin = gin.to(torch.float32).mul_(scales[1])
-                from_offset_grouped(gin, grad_in)
+                from_offset_grouped(gin, grad_in, memo)
             del gin, acc, operands
     finally:  # the side stream joins this one before anything it uses can be freed, even after an error
         if side is not None:
@@ -289,5 +304,8 @@ def _backward_chunk(
         grad_w, gb = targets
         grad_b = gb if gb is not None else grad_b
         del targets
-    remember(plans, key, plan)
+    if key is not None:
+        remember(plans, key, plan)
+        if memo is not None:
+            memo["bwd"] = plan
     return grad_w, grad_b

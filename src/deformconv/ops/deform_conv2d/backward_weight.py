@@ -256,12 +256,14 @@ def grad_rounding(weight_dtype: torch.dtype, input_dtype: torch.dtype) -> int:
 
 
 def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
-                 input_dtype: Optional[torch.dtype] = None) -> Tuple[Optional[Tensor], Optional[Tensor]]:
+                 input_dtype: Optional[torch.dtype] = None, memo: Optional[dict] = None
+                 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """(grad_weight, grad_bias) in the weight's dtype (grad_weight in its memory format) from fp32 partial sums, in one
     launch: pw [split, groups, kh*kw, Cin_g, Cout_g] (pack_weight's layout), pb [splits, Cout]; None for a missing
     one (and None returned for it). The partials' fixed-order sums, the inverse of pack_weight and the casts, in one
     pass instead of up to five operations. input_dtype (default: the weight's): rounded to it first where it differs
-    (grad_rounding)."""
+    (grad_rounding). memo: a dict kept by a caller that knows the call signature (the backward's), which holds the
+    launch once there is one: no key built again."""
     cout, cin_g, kh, kw = weight.shape
     rounding = grad_rounding(weight.dtype, weight.dtype if input_dtype is None else input_dtype)
     gw = grad_weight_like(weight) if pw is not None else None
@@ -275,6 +277,20 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
         return gw, gb
     pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
                 pb if pb is not None else fallback, gb if gb is not None else fallback)
+    run = memo.get("finish") if memo is not None else None
+    if run is None:
+        run = _finish_launch(weight, pw, pb, rounding, strides, split_w, split_b, pointers)
+        if memo is not None:
+            memo["finish"] = run
+    run(*pointers)
+    return gw, gb
+
+
+def _finish_launch(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor], rounding: int, strides: tuple,
+                   split_w: int, split_b: int, pointers: tuple) -> Launch:
+    """finish_grads' launch for this signature."""
+    cout, cin_g, kh, kw = weight.shape
+    numel = weight.numel()
     key = (weight.device, weight.dtype, weight.shape, strides, split_w, split_b, pw is not None, pb is not None,
            rounding, pointer_specs(pointers))
     cache = options.cache("finishes")
@@ -289,8 +305,7 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
             (numel, cin_g, cout_g, cout, split_w, split_b, *strides),
             dict(KH=kh, KW=kw, HAS_W=pw is not None, HAS_B=pb is not None, ROUND=rounding, BLOCK=block,
                  BLOCK_C=block_c, ROWS=32, num_warps=4)))
-    run(*pointers)
-    return gw, gb
+    return run
 
 
 def weight_targets(weight: Tensor, geo: ConvGeometry, split: int, whole: bool,

@@ -271,11 +271,14 @@ def _launch_forward(plan: ForwardPlan, cfg: Config, x: Tensor, off: Tensor, msk:
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], keep: Optional[dict] = None,
+    memo: Optional[dict] = None,
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated. keep: a dict that
     receives "packed_weight", the packed weight in the layout the backward reads (16-bit inputs: the forward's own),
     for deform_conv2d_backward's packed_weight, and "offset" / "mask", the contiguous copies made of them here (a
-    module's offset and mask are channel slices of its offset conv's output), for its operands."""
+    module's offset and mask are channel slices of its offset conv's output), for its operands. memo: a dict kept
+    by a caller that knows the call signature already (call.py), which holds the plan once there is one, so that
+    no plan key is built at later calls."""
     off, msk = contiguous_operands(offset, mask)
     if keep is not None:
         if off is not offset:
@@ -284,15 +287,17 @@ def deform_conv2d_forward(
             keep["mask"] = msk
     msk = msk if msk is not None else off  # the mask and bias pointers fall back to the offset; never read then
     b = bias.contiguous() if bias is not None else off
-    plans = options.cache("plans")
-    key = plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (input, off, msk, b), bias is None)
-    plan = plans.get(key)
+    plan = memo.get("fwd") if memo is not None else None
+    if plan is None:
+        plans = options.cache("plans")
+        key = plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (input, off, msk, b), bias is None)
+        plan = plans.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
         seg = segment_length(geo)
         plan = ForwardPlan(geo, seg, suggest_memory_format(input), grouped_input(geo, seg), weight_k_major(input.dtype))
     geo = plan.geo
-    x, wp = forward_operands(input, weight, geo.groups, geo.offset_groups, plan.grouped, plan.k_major)
+    x, wp = forward_operands(input, weight, geo.groups, geo.offset_groups, plan.grouped, plan.k_major, memo)
     if keep is not None and not plan.k_major:
         keep["packed_weight"] = wp
     out = torch.empty((geo.batch, geo.out_channels, geo.out_h, geo.out_w), dtype=input.dtype, device=input.device,
@@ -307,4 +312,6 @@ def deform_conv2d_forward(
                           fwd_candidates(geo, plan.seg, input.dtype), launch, input.device)
         plan.launch = launch(cfg)
         remember(plans, key, plan)
+    if memo is not None:
+        memo["fwd"] = plan
     return out

@@ -89,11 +89,13 @@ def _pack_and_transpose_kernel(
 # --- launchers -----------------------------------------------------------------------------------------
 
 
-def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optional[torch.dtype] = None) -> Tensor:
+def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optional[torch.dtype] = None,
+                memo: Optional[dict] = None) -> Tensor:
     """[Cout, Cin_g, kh, kw] -> [groups, kh*kw, Cin_g, Cout_g] contiguous (tap-major rows of the B tile), or
     with k_major [groups, kh*kw, Cout_g, Cin_g] (each output channel's input channels contiguous), in dtype
     (default: the weight's). One _pack_weight_kernel pass where uses_layout_kernel (faster than torch's permuting
-    copy), else torch's copies."""
+    copy), else torch's copies. memo: a dict kept by a caller that knows the call signature (call.py), which holds the
+    launch once there is one: no key built again."""
     cout, cin_g, kh, kw = weight.shape
     dtype = weight.dtype if dtype is None else dtype
     cout_g = cout // groups
@@ -101,15 +103,19 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
         w = weight.to(dtype).reshape(groups, cout_g, cin_g, kh * kw)
         return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
     out = packed_empty(weight, groups, k_major, dtype)
-    key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
-           aligned16(weight), aligned16(out))
-    cache = options.cache("packs")
-    run = cache.get(key)
+    run = memo.get("pack") if memo is not None else None
     if run is None:
-        block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
-        grid = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i), groups)
-        meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
-        run = remember(cache, key, Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
+        key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
+               aligned16(weight), aligned16(out))
+        cache = options.cache("packs")
+        run = cache.get(key)
+        if run is None:
+            block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
+            grid = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i), groups)
+            meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
+            run = remember(cache, key, Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
+        if memo is not None:
+            memo["pack"] = run
     run(weight, out)
     return out
 
@@ -133,24 +139,35 @@ def pack_blocks(shape: Sequence[int], groups: int, k_major: bool) -> Tuple[int, 
 
 
 def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: int, grouped: bool,
-                     k_major: bool) -> Tuple[Tensor, Tensor]:
+                     k_major: bool, memo: Optional[dict] = None) -> Tuple[Tensor, Tensor]:
     """The forward's input in the layout its kernel reads (NHWC, or offset-grouped if grouped) and its packed weight
     (pack_weight, in the input's dtype). Where both are Triton passes (an NCHW-contiguous input), one launch of
-    _pack_and_transpose_kernel does both."""
+    _pack_and_transpose_kernel does both. memo: see pack_weight."""
     if not (options.fused_prep and input.is_contiguous() and not input.is_contiguous(memory_format=torch.channels_last)
             and uses_layout_kernel(input) and uses_layout_kernel(weight)):
         x = to_offset_grouped(input, offset_groups) if grouped else to_nhwc(input)
-        return x, pack_weight(weight, groups, k_major, input.dtype)
+        return x, pack_weight(weight, groups, k_major, input.dtype, memo)
+    if grouped:
+        x = offset_grouped_empty(input, offset_groups)
+    else:
+        x = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=torch.channels_last)
+    wp = packed_empty(weight, groups, k_major, input.dtype)
+    run = memo.get("pack_and_transpose") if memo is not None else None
+    if run is None:
+        run = _pack_and_transpose_launch(input, weight, x, wp, groups, offset_groups, grouped, k_major)
+        if memo is not None:
+            memo["pack_and_transpose"] = run
+    run(weight, wp, input, x)
+    return x, wp
+
+
+def _pack_and_transpose_launch(input: Tensor, weight: Tensor, x: Tensor, wp: Tensor, groups: int, offset_groups: int,
+                               grouped: bool, k_major: bool) -> Launch:
+    """forward_operands' launch of _pack_and_transpose_kernel for this signature."""
     n, c, h, w = input.shape
     cout, cin_g, kh, kw = weight.shape
     cout_g = cout // groups
-    if grouped:
-        x = offset_grouped_empty(input, offset_groups)
-        a, images = c // offset_groups, n * offset_groups
-    else:
-        x = torch.empty((n, c, h, w), dtype=input.dtype, device=input.device, memory_format=torch.channels_last)
-        a, images = c, n
-    wp = packed_empty(weight, groups, k_major, input.dtype)
+    a, images = (c // offset_groups, n * offset_groups) if grouped else (c, n)
     key = (input.device, input.dtype, weight.dtype, input.shape, weight.shape, weight.stride(), groups, offset_groups,
            grouped, k_major, *pointer_specs((input, x, weight, wp)))
     cache = options.cache("pack_and_transpose")
@@ -165,5 +182,4 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
         meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, BLOCK_A=block_a,
                     BLOCK_B=block_b, num_warps=4)
         run = remember(cache, key, Launch(_pack_and_transpose_kernel, grid, args, meta))
-    run(weight, wp, input, x)
-    return x, wp
+    return run
