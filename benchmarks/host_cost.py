@@ -1,6 +1,6 @@
 """Host cost of one call: microseconds of CPU a tiny layer's forward and forward+backward take, GPU idle.
 
-    python benchmarks/host_cost.py [--shape N,Cin,Cout,H,W] [--calls 300] [--profile PATH] [--out PATH]
+    python benchmarks/host_cost.py [--shape N,Cin,Cout,H,W] [--calls 300] [--profile PATH] [--out PATH] [--eager-only]
 
 A tiny layer (default 2x16->16 at 8x8, 3x3, a mask) keeps the GPU far from busy, so the wall time of a loop of calls
 is the host's time per call. Rows: F.conv2d (the floor), torchvision.ops.deform_conv2d and deformconv, in plain
