@@ -133,8 +133,8 @@ class PlannedCall(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, call, *tensors):
-        ctx.call, ctx.count = call, len(tensors)
-        if getattr(call, "keeps", False):
+        ctx.call, ctx.count, ctx.keeps = call, len(tensors), getattr(call, "keeps", False)
+        if ctx.keeps:
             out, kept = call.forward_saving(*tensors)
             ctx.save_for_backward(*tensors, *kept)
             return out
@@ -148,7 +148,7 @@ class PlannedCall(torch.autograd.Function):
         if not any(needs):
             return (None,) * (1 + len(needs))
         saved = ctx.saved_tensors  # read once (activation checkpointing allows no more)
-        if len(saved) > ctx.count:
+        if ctx.keeps:
             return (None, *ctx.call.grads(grad_out, *saved[:ctx.count], needs, kept=saved[ctx.count:]))
         return (None, *ctx.call.grads(grad_out, *saved, needs))
 
