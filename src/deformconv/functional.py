@@ -7,11 +7,11 @@ from typing import List, Optional
 import torch
 from torch import Tensor
 
+from . import config
 from . import library  # noqa: F401  (registers torch.ops.deformconv.*)
 from . import onnx as _onnx
 from .backends import get_backend
 from .checks import IntPair, check_deform_conv2d_args, pair
-from . import config
 from .eager import (DeformConv2dFunction, ModulatedDeformConv2dFunction, autocasting, fast_path_ok,
                     forward_without_grad, needs_grad, run_planned, split_into)
 from .library import _backend_for, autocast_inputs

@@ -119,6 +119,18 @@ def remember(cache: dict, key: tuple, value):
     return value
 
 
+def memoized(memo, slot: str, make):
+    """memo[slot], made by make() on first use; make() alone where there is no memo. A memo is a dict kept by a
+    caller that knows the call signature already (ops/deform_conv2d/call.py): what a launcher found for it by its own
+    key (a plan, a Launch) is held there, so that later calls build no key."""
+    if memo is None:
+        return make()
+    found = memo.get(slot)
+    if found is None:
+        found = memo[slot] = make()
+    return found
+
+
 class Launch:
     """One kernel launch of a plan: grid, runtime arguments and constexprs fixed, tensors given per call.
 

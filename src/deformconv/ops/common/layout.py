@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from .launch import Launch, aligned16, ceil_div, pow2_clamp, remember
+from .launch import Launch, aligned16, ceil_div, memoized, pow2_clamp, remember
 
 # --- kernels -------------------------------------------------------------------------------------------
 
@@ -152,20 +152,22 @@ def transpose_last(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tens
 def _transpose_one(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor],
                    sums: Optional[Tensor], memo: Optional[dict] = None) -> Tensor:
     """transpose_last's pass: one _transpose_kernel launch. memo: see run_transposes."""
-    run = memo.get("transpose") if memo is not None else None
-    if run is None:
-        key = (src.device, _transpose_key(src, a, b, out, zero, sums))
-        cache = options.cache("transposes")
-        run = cache.get(key)
-        if run is None:
-            block_a, block_b, tiles_a, tiles_b = transpose_tiles(a, b)
-            run = remember(cache, key, Launch(_transpose_kernel, (tiles_a, tiles_b, src.shape[0]), (a, b),
-                                              dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
-                                                   BLOCK_B=block_b, num_warps=4)))
-        if memo is not None:
-            memo["transpose"] = run
+    run = memoized(memo, "transpose", lambda: _one_launch(src, a, b, out, zero, sums))
     run(*_transpose_tensors(src, out, zero, sums))
     return out
+
+
+def _one_launch(src: Tensor, a: int, b: int, out: Tensor, zero: Optional[Tensor], sums: Optional[Tensor]) -> Launch:
+    """_transpose_one's launch for this pass's signature."""
+    key = (src.device, _transpose_key(src, a, b, out, zero, sums))
+    cache = options.cache("transposes")
+    run = cache.get(key)
+    if run is None:
+        block_a, block_b, tiles_a, tiles_b = transpose_tiles(a, b)
+        run = remember(cache, key, Launch(_transpose_kernel, (tiles_a, tiles_b, src.shape[0]), (a, b),
+                                          dict(ZERO=zero is not None, SUM=sums is not None, BLOCK_A=block_a,
+                                               BLOCK_B=block_b, num_warps=4)))
+    return run
 
 
 def run_transposes(jobs: list, memo: Optional[dict] = None) -> None:
@@ -182,11 +184,7 @@ def run_transposes(jobs: list, memo: Optional[dict] = None) -> None:
 
 def _transpose_pair(first: tuple, second: tuple, memo: Optional[dict] = None) -> None:
     """transpose_last's two passes (src, a, b, out, zero, sums) in one _transpose_pair_kernel launch."""
-    run = memo.get("transpose_pair") if memo is not None else None
-    if run is None:
-        run = _pair_launch(first, second)
-        if memo is not None:
-            memo["transpose_pair"] = run
+    run = memoized(memo, "transpose_pair", lambda: _pair_launch(first, second))
     src1, _, _, out1, zero1, sums1 = first
     src2, _, _, out2, zero2, sums2 = second
     run(*_transpose_tensors(src1, out1, zero1, sums1), *_transpose_tensors(src2, out2, zero2, sums2))

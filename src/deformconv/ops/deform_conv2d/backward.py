@@ -20,7 +20,7 @@ from ... import config
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import Launch, dot_precision, pick_config, remember
+from ..common.launch import Launch, dot_precision, memoized, pick_config, remember
 from ..common.layout import (channel_sum, from_offset_grouped, run_transposes, to_nhwc, to_nhwc_summed,
                              to_offset_grouped)
 from .backward_data import launch_grad_data, run_grad_data
@@ -90,13 +90,9 @@ def deform_conv2d_backward(
     pw = pb = None  # grad_weight's and grad_bias's fp32 partial sums, for finish_grads
     if need_in or need_off or need_mask or need_w:
         batch = input.shape[0]
-        found = memo.get("schedule") if memo is not None else None
-        if found is None:
-            found = _schedule(grad_out, input, offset, weight, mask, stride, padding, dilation, need_in,
-                              need_off or need_mask, need_w, fixed_gin)
-            if memo is not None:
-                memo["schedule"] = found
-        concurrent, step = found
+        concurrent, step = memoized(memo, "schedule", lambda: _schedule(
+            grad_out, input, offset, weight, mask, stride, padding, dilation, need_in, need_off or need_mask, need_w,
+            fixed_gin))
         whole = step >= batch  # one chunk: it finishes grad_weight, and grad_bias beside it
         for n0 in range(0, max(batch, 1), step):
             # this chunk's images (slices cost microseconds each, so none where the chunk is the batch)

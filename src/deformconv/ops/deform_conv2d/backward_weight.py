@@ -24,7 +24,7 @@ from torch import Tensor
 from ...checks import ConvGeometry, suggest_memory_format
 from ...compat import codegen_profile
 from ...config import options
-from ..common.launch import Launch, ceil_div, pointer_specs, pow2_clamp, remember, tma_launch
+from ..common.launch import Launch, ceil_div, memoized, pointer_specs, pow2_clamp, remember, tma_launch
 from ..common.sampling import (bilinear_weights, blend, blend_pairs, corner_pairs, load_corners, pair_weights,
                                sample_point, segment_channels)
 from .configs import Config
@@ -277,11 +277,7 @@ def finish_grads(weight: Tensor, pw: Optional[Tensor], pb: Optional[Tensor],
         return gw, gb
     pointers = (pw if pw is not None else fallback, gw if gw is not None else fallback,
                 pb if pb is not None else fallback, gb if gb is not None else fallback)
-    run = memo.get("finish") if memo is not None else None
-    if run is None:
-        run = _finish_launch(weight, pw, pb, rounding, strides, split_w, split_b, pointers)
-        if memo is not None:
-            memo["finish"] = run
+    run = memoized(memo, "finish", lambda: _finish_launch(weight, pw, pb, rounding, strides, split_w, split_b, pointers))
     run(*pointers)
     return gw, gb
 

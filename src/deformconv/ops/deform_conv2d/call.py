@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ... import config
 from ...checks import suggest_memory_format
+from ...eager import joined_grad, split_into
 from ..common.launch import on_device_of
 from .backward import deform_conv2d_backward
 from .forward import deform_conv2d_forward
@@ -41,8 +42,6 @@ class Call:
         output."""
         if self.n_off is None:
             return list(tensors)
-        from ...eager import split_into
-
         input, out, weight, bias = tensors
         offset, mask = split_into(out, self.n_off)
         return [input, offset, weight, bias, mask]
@@ -89,8 +88,6 @@ class Call:
             return g_in, g_off, g_w, g_b, g_mask
         g_out = None
         if need5[1]:
-            from ...eager import joined_grad
-
             g_out = joined_grad(out.shape, self.out_format, self.n_off, mask, g_off, g_mask)
         return g_in, g_out, g_w, g_b
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ...config import options
-from ..common.launch import Launch, aligned16, ceil_div, next_pow2, pointer_specs, pow2_clamp, remember
+from ..common.launch import Launch, aligned16, ceil_div, memoized, next_pow2, pointer_specs, pow2_clamp, remember
 from ..common.layout import (offset_grouped_empty, tile_of, to_nhwc, to_offset_grouped, transpose_tile, transpose_tiles,
                              uses_layout_kernel)
 
@@ -103,21 +103,24 @@ def pack_weight(weight: Tensor, groups: int, k_major: bool = False, dtype: Optio
         w = weight.to(dtype).reshape(groups, cout_g, cin_g, kh * kw)
         return (w.permute(0, 3, 1, 2) if k_major else w.permute(0, 3, 2, 1)).contiguous()
     out = packed_empty(weight, groups, k_major, dtype)
-    run = memo.get("pack") if memo is not None else None
-    if run is None:
-        key = (weight.device, weight.dtype, dtype, weight.shape, weight.stride(), groups, k_major,
-               aligned16(weight), aligned16(out))
-        cache = options.cache("packs")
-        run = cache.get(key)
-        if run is None:
-            block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
-            grid = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i), groups)
-            meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
-            run = remember(cache, key, Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
-        if memo is not None:
-            memo["pack"] = run
-    run(weight, out)
+    memoized(memo, "pack", lambda: _pack_launch(weight, out, groups, k_major))(weight, out)
     return out
+
+
+def _pack_launch(weight: Tensor, out: Tensor, groups: int, k_major: bool) -> Launch:
+    """pack_weight's launch of _pack_weight_kernel for this signature (out: the packed weight)."""
+    cout, cin_g, kh, kw = weight.shape
+    cout_g = cout // groups
+    key = (weight.device, weight.dtype, out.dtype, weight.shape, weight.stride(), groups, k_major,
+           aligned16(weight), aligned16(out))
+    cache = options.cache("packs")
+    run = cache.get(key)
+    if run is None:
+        block_o, block_i, taps = pack_blocks(weight.shape, groups, k_major)
+        grid = (ceil_div(cout_g, block_o), ceil_div(cin_g, block_i), groups)
+        meta = dict(KH=kh, KW=kw, K_MAJOR=k_major, TAPS=taps, BLOCK_O=block_o, BLOCK_I=block_i, num_warps=4)
+        run = remember(cache, key, Launch(_pack_weight_kernel, grid, (cin_g, cout_g, *weight.stride()), meta))
+    return run
 
 
 def packed_empty(weight: Tensor, groups: int, k_major: bool, dtype: torch.dtype) -> Tensor:
@@ -152,11 +155,8 @@ def forward_operands(input: Tensor, weight: Tensor, groups: int, offset_groups: 
     else:
         x = torch.empty(input.shape, dtype=input.dtype, device=input.device, memory_format=torch.channels_last)
     wp = packed_empty(weight, groups, k_major, input.dtype)
-    run = memo.get("pack_and_transpose") if memo is not None else None
-    if run is None:
-        run = _pack_and_transpose_launch(input, weight, x, wp, groups, offset_groups, grouped, k_major)
-        if memo is not None:
-            memo["pack_and_transpose"] = run
+    run = memoized(memo, "pack_and_transpose",
+                   lambda: _pack_and_transpose_launch(input, weight, x, wp, groups, offset_groups, grouped, k_major))
     run(weight, wp, input, x)
     return x, wp
 
