@@ -1,9 +1,11 @@
-"""Where the GPU time of one ResNet-50-DCN training step goes, on a CUDA GPU: torch.profiler's kernels of a few steps
-of bench_resnet_dcn.py's network, summed by kernel name, for each net and mode asked for. bench_resnet_dcn.py gives
-the step's wall time; this gives its GPU split (our kernels, convolutions, the rest) and the GPU total, which is the
-floor of a CUDA-graph step.
+"""Where the GPU time of one ResNet-50-DCN training (or inference) step goes, on a CUDA GPU: torch.profiler's kernels
+of a few steps of bench_resnet_dcn.py's network, summed by kernel name, for each net and mode asked for. It gives the
+GPU split (our kernels, convolutions, the rest) and the GPU total, which is the floor of a CUDA-graph step, beside the
+step's wall time (median of 20 synchronised steps, unprofiled): where the wall time is well above the GPU total, the
+host bounds the step.
 
     python benchmarks/tools/step_profile.py [--case b32-224:bfloat16] [--nets plain deformconv] [--modes eager default]
+        [--steps-of train infer]
 
 Rows are per step (the profiled steps' totals divided by --steps).
 """
@@ -13,7 +15,9 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import sys
+import time
 
 import torch
 
@@ -32,15 +36,28 @@ def category(name: str) -> str:
     return "other (elementwise, norm, reduce, copy)"
 
 
-def profile_step(kind, base, case, dtype, mode, steps, rows):
+def wall_ms(step, count: int = 20) -> float:
+    """Median wall time of synchronised steps, ms."""
+    times = []
+    for _ in range(count):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def profile_step(kind, base, case, dtype, mode, steps, rows, which="train"):
     from bench_resnet_dcn import case_steps
     from torch.profiler import ProfilerActivity, profile
 
-    net, step, _ = case_steps(kind, base, case, dtype, mode)
-    net.train()
+    net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
+    net.train(which == "train")  # as bench_resnet_dcn.py times them
+    step = train_step if which == "train" else infer_step
     for _ in range(5):
         step()
-    torch.cuda.synchronize()
+    wall = wall_ms(step)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -54,8 +71,8 @@ def profile_step(kind, base, case, dtype, mode, steps, rows):
     cats = collections.Counter()
     for name, us in kernels.items():
         cats[category(name)] += us
-    print(f"\n## {kind}, {case} {str(dtype).split('.')[-1]}, {mode}: GPU {sum(kernels.values()) / 1e3:.2f} ms a step, "
-          f"{round(sum(counts.values()))} kernels")
+    print(f"\n## {kind}, {case} {str(dtype).split('.')[-1]}, {mode}, {which}: GPU {sum(kernels.values()) / 1e3:.2f} ms "
+          f"a step, {round(sum(counts.values()))} kernels; wall {wall:.2f} ms")
     print("| category | ms a step |\n|---|---|")
     for c, us in cats.most_common():
         print(f"| {c} | {us / 1e3:.3f} |")
@@ -72,6 +89,7 @@ def main(argv=None):
     ap.add_argument("--case", default="b32-224:bfloat16", help="case:dtype, as bench_resnet_dcn.py's --cases")
     ap.add_argument("--nets", nargs="+", default=["plain", "deformconv"])
     ap.add_argument("--modes", nargs="+", default=["eager", "default"], choices=["eager", "default"])
+    ap.add_argument("--steps-of", nargs="+", default=["train"], choices=["train", "infer"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--columns-grad-weight", action="store_true", help="grad_weight through the column buffer "
@@ -83,9 +101,10 @@ def main(argv=None):
         options.columns_grad_weight = True
     base = resnet50_base()
     case, dt = args.case.split(":")
-    for mode in args.modes:
-        for kind in args.nets:
-            profile_step(kind, base, case, getattr(torch, dt), mode, args.steps, args.rows)
+    for which in args.steps_of:
+        for mode in args.modes:
+            for kind in args.nets:
+                profile_step(kind, base, case, getattr(torch, dt), mode, args.steps, args.rows, which)
 
 
 if __name__ == "__main__":

@@ -295,6 +295,48 @@ def scatter_corners(ptr, p00, cc, d_ok, g, w00, w01, w10, w11, v00, v01, v10, v1
 
 
 @triton.jit
+def accumulate_point(acc, ptr, p00, v00, v01, v10, v11, ly, lx, wt, cc, d_ok, W, PIX, D: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """acc + a sample point's bilinear samples [BM, BLOCK_D] of channels cc (those d_ok marks), weighted by wt [BM]
+    (fp32; images W pixels wide, pixels PIX elements apart: load_corners)."""
+    c00, c01, c10, c11 = load_corners(ptr, p00, cc, d_ok, v00, v01, v10, v11, W, PIX, BLOCK_D == D)
+    w00, w01, w10, w11 = bilinear_weights(ly, lx, wt)
+    return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
+                       c11.to(tl.float32), False)
+
+
+@triton.jit
+def point_grads(ptr, go, gptr, p00, v00, v01, v10, v11, ly, lx, inside, wt, fx, fy, W, PIX, cc, d_ok, scale,
+                D: tl.constexpr, NEED_SRC: tl.constexpr, NEED_XY: tl.constexpr, NEED_WT: tl.constexpr,
+                FIXED: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A weighted sample point's share of the gradients, from grad_out go [BM, BLOCK_D] (fp32) of the output that
+    accumulate_point adds it to. The source's, go·wt·(corner weight), is scattered to the corners (gptr:
+    scatter_corners). Returned, [BM] each and zero where the point does not count or the gradient is not needed:
+    the weight's Σ go·s, and the point's coordinates' fx·Σ go·∂s/∂x and fy·Σ go·∂s/∂y (fx, fy: wt times the
+    coordinates' pixels a unit)."""
+    gw = tl.zeros_like(ly)
+    gx = gw
+    gy = gw
+    if NEED_XY or NEED_WT:
+        c00, c01, c10, c11 = load_corners(ptr, p00, cc, d_ok, v00, v01, v10, v11, W, PIX, BLOCK_D == D)
+        c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
+        if NEED_WT:
+            w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
+            s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
+            gw = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
+        if NEED_XY:
+            # ∂s/∂y = (1-lx)(c10 - c00) + lx(c11 - c01); ∂s/∂x = (1-ly)(c01 - c00) + ly(c11 - c10)
+            sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
+            sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
+            gx = tl.where(inside, fx * sx, 0.0)
+            gy = tl.where(inside, fy * sy, 0.0)
+    if NEED_SRC:
+        w00, w01, w10, w11 = bilinear_weights(ly, lx, wt)
+        scatter_corners(gptr, p00, cc, d_ok, go, w00, w01, w10, w11, v00, v01, v10, v11, W * PIX, PIX, scale, FIXED)
+    return gw, gx, gy
+
+
+@triton.jit
 def scatter_pairs(ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED: tl.constexpr,
                   PAIRS_OUTER: tl.constexpr, c_ok=None):
     """grad_input's adds at the 4 corners of each sample point, as corner_pairs' two pairs: grad_col g

@@ -31,8 +31,7 @@ from ...config import options, tracing
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
                              preload_points, remember)
-from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
-                               scatter_corners)
+from ..common.sampling import accumulate_point, join_columns, point_corners, point_grads, row_points
 from .geometry import DcnGeometry
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -98,16 +97,6 @@ def _lanes(g, D: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """acc + a point's weighted bilinear samples [BLOCK_M, BLOCK_D]."""
-    c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
-    w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-    return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
-                       c11.to(tl.float32), False)
-
-
-@triton.jit
 def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok, H, W, C,
                       STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W, SCALE, D: tl.constexpr, KH: tl.constexpr,
                       KW: tl.constexpr, REMOVE_CENTER: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -115,7 +104,7 @@ def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow,
     p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
         off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
         DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-    return _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
+    return accumulate_point(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
 
 
 @triton.jit
@@ -142,7 +131,7 @@ def _dcn_fwd_kernel(
             p00, v00, v01, v10, v11, ly, lx, inside, mk = _point_at(
                 dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
                 DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-            acc = _accumulate(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
+            acc = accumulate_point(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
     elif UNROLL:
         for k in tl.static_range(K):
             acc = _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, cc, d_ok,
@@ -155,36 +144,6 @@ def _dcn_fwd_kernel(
                                     REMOVE_CENTER, BLOCK_D)
     out = out_ptr + offs_m.to(tl.int64)[:, None] * C + cc[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok, W, C, SCALE, fixed_scale,
-                 D: tl.constexpr, NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr,
-                 FIXED: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A point's share of the gradients (see _dcn_bwd_kernel): grad_input scattered here; its grad_mask and
-    grad_offset (Δx, Δy) returned, [BLOCK_M] each (zero where not needed or where the point does not count)."""
-    gm = tl.zeros_like(ly)
-    gx = gm
-    gy = gm
-    if NEED_OFF or NEED_MSK:
-        c00, c01, c10, c11 = load_corners(x_ptr, p00, cc, d_ok, v00, v01, v10, v11, W, C, BLOCK_D == D)
-        c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
-        if NEED_MSK:
-            w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
-            s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
-            gm = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
-        if NEED_OFF:
-            # ∂s/∂y = (1-lx)(c10 - c00) + lx(c11 - c01); ∂s/∂x = (1-ly)(c01 - c00) + ly(c11 - c10)
-            sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
-            sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
-            f = SCALE * mk
-            gx = tl.where(inside, f * sx, 0.0)
-            gy = tl.where(inside, f * sy, 0.0)
-    if NEED_IN:
-        w00, w01, w10, w11 = bilinear_weights(ly, lx, mk)
-        scatter_corners(gin_ptr, p00, cc, d_ok, go, w00, w01, w10, w11, v00, v01, v10, v11, W * C, C, fixed_scale,
-                        FIXED)
-    return gm, gx, gy
 
 
 @triton.jit
@@ -224,8 +183,9 @@ def _dcn_bwd_kernel(
                 p00, v00, v01, v10, v11, ly, lx, inside, mk = _point_at(
                     dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
                     DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-                gm, gx, gy = _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok,
-                                          W, C, SCALE, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED, BLOCK_D)
+                gm, gx, gy = point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, SCALE * mk,
+                                         SCALE * mk, W, C, cc, d_ok, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK,
+                                         FIXED, BLOCK_D)
             else:  # the tiles' columns past K (not stored)
                 gm = tl.zeros_like(dxs[0])
                 gx = gm
@@ -247,8 +207,9 @@ def _dcn_bwd_kernel(
             p00, v00, v01, v10, v11, ly, lx, inside, mk = _point(
                 off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H,
                 PAD_W, DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
-            gm, gx, gy = _point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, cc, d_ok, W, C,
-                                      SCALE, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED, BLOCK_D)
+            gm, gx, gy = point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, SCALE * mk,
+                                     SCALE * mk, W, C, cc, d_ok, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED,
+                                     BLOCK_D)
             if NEED_MSK:
                 tl.store(gmsk_ptr + msk_row + k, gm.to(gmsk_ptr.dtype.element_ty), mask=m_ok)
             if NEED_OFF:

@@ -25,8 +25,7 @@ from ...config import options
 from ..common.fixed_point import max_abs, scales_for
 from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
                              pointer_specs, preload_points, remember)
-from ..common.sampling import (bilinear_weights, blend, join_columns, load_corners, point_corners, row_points,
-                               scatter_corners)
+from ..common.sampling import accumulate_point, join_columns, point_corners, point_grads, row_points
 
 # --- configs -------------------------------------------------------------------------------------------
 
@@ -99,17 +98,7 @@ def _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, idx, h, w, pix_base, PI
                       BLOCK_D: tl.constexpr):
     """acc + one point's attention-weighted bilinear samples."""
     p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
-    return _accumulate(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, w, PIX, cc, d_ok, D, BLOCK_D)
-
-
-@triton.jit
-def _accumulate(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, w, PIX, cc, d_ok, D: tl.constexpr,
-                BLOCK_D: tl.constexpr):
-    """acc + a point's attention-weighted bilinear samples from its corners."""
-    c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
-    w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
-    return acc + blend(w00, w01, w10, w11, c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32),
-                       c11.to(tl.float32), False)
+    return accumulate_point(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, cc, d_ok, w, PIX, D, BLOCK_D)
 
 
 @triton.jit
@@ -136,7 +125,7 @@ def _msda_fwd_kernel(
             for p in tl.static_range(P):
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point_at(xs[lvl * P + p], ys[lvl * P + p],
                                                                        ats[lvl * P + p], h, w, pix_base, PIX, r_ok)
-                acc = _accumulate(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, w, PIX, cc, d_ok, D, BLOCK_D)
+                acc = accumulate_point(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, cc, d_ok, w, PIX, D, BLOCK_D)
     elif UNROLL:
         for lvl in tl.static_range(L):
             acc = _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img,
@@ -147,34 +136,6 @@ def _msda_fwd_kernel(
                                     r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D, UNROLL)
     out = out_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
-
-
-@triton.jit
-def _point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a, h, w, PIX, cc, d_ok, fixed_scale,
-                 D: tl.constexpr, NEED_V: tl.constexpr, NEED_LOC: tl.constexpr, NEED_ATTN: tl.constexpr,
-                 FIXED: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A point's share of the gradients (see _msda_bwd_kernel): grad_value scattered here; its grad_attention and
-    grad_location (x, y) returned, [BLOCK_Q] each (zero where not needed or where the point does not count)."""
-    ga = tl.zeros_like(ly)
-    gx = ga
-    gy = ga
-    if NEED_LOC or NEED_ATTN:
-        c00, c01, c10, c11 = load_corners(value_ptr, p00, cc, d_ok, v00, v01, v10, v11, w, PIX, BLOCK_D == D)
-        c00, c01, c10, c11 = c00.to(tl.float32), c01.to(tl.float32), c10.to(tl.float32), c11.to(tl.float32)
-        if NEED_ATTN:
-            w00, w01, w10, w11 = bilinear_weights(ly, lx, 1.0)
-            s = blend(w00, w01, w10, w11, c00, c01, c10, c11, False)
-            ga = tl.where(inside, tl.sum(go * s, axis=1), 0.0)
-        if NEED_LOC:
-            sy = tl.sum(go * ((1.0 - lx)[:, None] * (c10 - c00) + lx[:, None] * (c11 - c01)), axis=1)
-            sx = tl.sum(go * ((1.0 - ly)[:, None] * (c01 - c00) + ly[:, None] * (c11 - c10)), axis=1)
-            gx = tl.where(inside, a * sx * w.to(tl.float32), 0.0)
-            gy = tl.where(inside, a * sy * h.to(tl.float32), 0.0)
-    if NEED_V:
-        w00, w01, w10, w11 = bilinear_weights(ly, lx, a)
-        scatter_corners(gv_ptr, p00, cc, d_ok, go, w00, w01, w10, w11, v00, v01, v10, v11, w * PIX, PIX, fixed_scale,
-                        FIXED)
-    return ga, gx, gy
 
 
 @triton.jit
@@ -211,8 +172,9 @@ def _msda_bwd_kernel(
             for p in tl.static_range(P):
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point_at(xs[lvl * P + p], ys[lvl * P + p],
                                                                        ats[lvl * P + p], h, w, pix_base, PIX, r_ok)
-                ga, gx, gy = _point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a, h, w,
-                                          PIX, cc, d_ok, fixed_scale, D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
+                ga, gx, gy = point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a,
+                                         a * w.to(tl.float32), a * h.to(tl.float32), w, PIX, cc, d_ok, fixed_scale,
+                                         D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
                 gas = gas + (ga,)
                 gxs = gxs + (gx,)
                 gys = gys + (gy,)
@@ -236,8 +198,9 @@ def _msda_bwd_kernel(
             for p in range(P):
                 idx = point_row + lvl * P + p
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
-                ga, gx, gy = _point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a, h, w,
-                                          PIX, cc, d_ok, fixed_scale, D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
+                ga, gx, gy = point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a,
+                                         a * w.to(tl.float32), a * h.to(tl.float32), w, PIX, cc, d_ok, fixed_scale,
+                                         D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
                 if NEED_ATTN:
                     tl.store(gattn_ptr + idx, ga.to(gattn_ptr.dtype.element_ty), mask=r_ok)
                 if NEED_LOC:
