@@ -22,8 +22,8 @@ from .config import options
 from .library import _setup_context, autocast_inputs, backward_impl, forward_impl, input_grads
 from .ops.common.launch import remember
 
-_AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(d)])
-                  for d in ("cuda", "cpu")}
+_AUTOCAST_KEYS = {d: torch._C.DispatchKeySet(
+    torch._C.DispatchKey.__members__["Autocast" + torch._C._dispatch_key_for_device(d)]) for d in ("cuda", "cpu")}
 
 # functorch's check, looked up once (a torch without it: every tensor counts as wrapped, so calls take the op)
 _FUNCTORCH_WRAPPED = getattr(torch._C._functorch, "is_functorch_wrapped_tensor", None)
@@ -274,8 +274,8 @@ class ModulatedDeformConv2dFunction(torch.autograd.Function):
     """A modulated layer's deform_conv2d taken from its offset conv's output in one autograd node: split_into, the
     argument checks and DeformConv2dFunction's forward; backward, DeformConv2dFunction's and joined_grad. One node a
     layer where the split and the op took two: each Python node costs host time of its own both ways
-    (benchmarks/README.md, the floor of a Python op). Arguments: input, out, weight, bias (already cast under
-    autocast), n_off, stride, padding, dilation (lists), backend, and whether autocast is on."""
+    (benchmarks/README.md, Where the host time goes: the floor). Arguments: input, out, weight, bias (already cast
+    under autocast), n_off, stride, padding, dilation (lists), backend, and whether autocast is on."""
 
     @staticmethod
     def forward(ctx, input, out, weight, bias, n_off, stride, padding, dilation, backend, autocasting):
