@@ -306,7 +306,7 @@ def accumulate_point(acc, ptr, p00, v00, v01, v10, v11, ly, lx, wt, cc, d_ok, W,
 
 
 @triton.jit
-def point_grads(ptr, go, gptr, p00, v00, v01, v10, v11, ly, lx, inside, wt, fx, fy, W, PIX, cc, d_ok, scale,
+def point_grads(ptr, go, gptr, p00, v00, v01, v10, v11, ly, lx, inside, wt, fx, fy, cc, d_ok, W, PIX, scale,
                 D: tl.constexpr, NEED_SRC: tl.constexpr, NEED_XY: tl.constexpr, NEED_WT: tl.constexpr,
                 FIXED: tl.constexpr, BLOCK_D: tl.constexpr):
     """A weighted sample point's share of the gradients, from grad_out go [BM, BLOCK_D] (fp32) of the output that

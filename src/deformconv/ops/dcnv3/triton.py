@@ -184,7 +184,7 @@ def _dcn_bwd_kernel(
                     dxs[k], dys[k], mks[k], k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H,
                     DIL_W, SCALE, KH, KW, REMOVE_CENTER)
                 gm, gx, gy = point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, SCALE * mk,
-                                         SCALE * mk, W, C, cc, d_ok, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK,
+                                         SCALE * mk, cc, d_ok, W, C, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK,
                                          FIXED, BLOCK_D)
             else:  # the tiles' columns past K (not stored)
                 gm = tl.zeros_like(dxs[0])
@@ -208,7 +208,7 @@ def _dcn_bwd_kernel(
                 off_ptr, msk_ptr, off_row, msk_row, k, oh, ow, n_pix, m_ok, H, W, C, STRIDE_H, STRIDE_W, PAD_H,
                 PAD_W, DIL_H, DIL_W, SCALE, KH, KW, REMOVE_CENTER)
             gm, gx, gy = point_grads(x_ptr, go, gin_ptr, p00, v00, v01, v10, v11, ly, lx, inside, mk, SCALE * mk,
-                                     SCALE * mk, W, C, cc, d_ok, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED,
+                                     SCALE * mk, cc, d_ok, W, C, fixed_scale, D, NEED_IN, NEED_OFF, NEED_MSK, FIXED,
                                      BLOCK_D)
             if NEED_MSK:
                 tl.store(gmsk_ptr + msk_row + k, gm.to(gmsk_ptr.dtype.element_ty), mask=m_ok)

@@ -173,7 +173,7 @@ def _msda_bwd_kernel(
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point_at(xs[lvl * P + p], ys[lvl * P + p],
                                                                        ats[lvl * P + p], h, w, pix_base, PIX, r_ok)
                 ga, gx, gy = point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a,
-                                         a * w.to(tl.float32), a * h.to(tl.float32), w, PIX, cc, d_ok, fixed_scale,
+                                         a * w.to(tl.float32), a * h.to(tl.float32), cc, d_ok, w, PIX, fixed_scale,
                                          D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
                 gas = gas + (ga,)
                 gxs = gxs + (gx,)
@@ -199,7 +199,7 @@ def _msda_bwd_kernel(
                 idx = point_row + lvl * P + p
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok)
                 ga, gx, gy = point_grads(value_ptr, go, gv_ptr, p00, v00, v01, v10, v11, ly, lx, inside, a,
-                                         a * w.to(tl.float32), a * h.to(tl.float32), w, PIX, cc, d_ok, fixed_scale,
+                                         a * w.to(tl.float32), a * h.to(tl.float32), cc, d_ok, w, PIX, fixed_scale,
                                          D, NEED_V, NEED_LOC, NEED_ATTN, FIXED, BLOCK_D)
                 if NEED_ATTN:
                     tl.store(gattn_ptr + idx, ga.to(gattn_ptr.dtype.element_ty), mask=r_ok)
