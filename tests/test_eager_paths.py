@@ -93,3 +93,42 @@ def test_calls_without_gradients_build_no_node_and_equal_the_op(name, fn, leaves
     assert any(f"deformconv.{name}" in op for op in seen.ops), seen.ops[:5]
     assert out.dtype == op_out.dtype == (torch.bfloat16 if autocast else torch.float32)
     torch.testing.assert_close(out, op_out, atol=0, rtol=0)
+
+
+def _once_differentiable_calls():
+    """(name, function of the leaves, leaves): one call on each kind of eager node: the new ops' run_eager node
+    (cpu backend), their per-signature Call and deform_conv2d's (triton backend, interpreted), deform_conv2d's own
+    Function and a modulated layer's."""
+    torch.manual_seed(1)
+    shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])
+    layer = deformconv.ModulatedDeformConv2dPack(3, 4, 3, padding=1)
+    torch.nn.init.normal_(layer.conv_offset.weight, std=0.1)
+    msda = lambda backend: (lambda v, loc, a: deformconv.ms_deform_attn(  # noqa: E731
+        v, shapes, starts, loc, a, backend=backend))
+    msda_leaves = [torch.randn(2, 26, 2, 3), torch.rand(2, 4, 2, 2, 3, 2), torch.rand(2, 4, 2, 2, 3)]
+    dcn_leaves = [torch.randn(2, 3, 5, 5), torch.randn(2, 18, 5, 5), torch.randn(4, 3, 3, 3), torch.rand(2, 9, 5, 5)]
+    dcn = lambda backend: (lambda x, o, w, m: deformconv.deform_conv2d(  # noqa: E731
+        x, o, w, padding=1, mask=m, backend=backend))
+    return [
+        ("ms_deform_attn-cpu", msda("cpu"), msda_leaves),
+        ("ms_deform_attn-triton", msda("triton"), msda_leaves),
+        ("dcnv3-triton", lambda x, o, m: deformconv.dcnv3(x, o, m, 3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, backend="triton"),
+         [torch.randn(2, 5, 6, 6), torch.randn(2, 5, 6, 36), torch.rand(2, 5, 6, 18)]),
+        ("deform_conv2d-cpu", dcn("cpu"), dcn_leaves),
+        ("deform_conv2d-triton", dcn("triton"), dcn_leaves),
+        ("modulated-layer", layer, [torch.randn(2, 3, 5, 5)]),
+    ]
+
+
+@pytest.mark.parametrize("name,fn,leaves", _once_differentiable_calls(), ids=[c[0] for c in _once_differentiable_calls()])
+def test_every_eager_node_is_differentiable_once(name, fn, leaves):
+    """A gradient taken with create_graph=True through any eager node, differentiated again, raises (torch's
+    once_differentiable, which eager.once_differentiable runs wherever grad mode is on) instead of passing a silent
+    zero; without create_graph the gradients are those of a plain backward."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in leaves]
+    out = fn(*leaves)
+    (plain,) = torch.autograd.grad(out.square().sum(), leaves[0], retain_graph=True)
+    (g,) = torch.autograd.grad(out.square().sum(), leaves[0], create_graph=True)
+    assert torch.equal(g.detach(), plain) and torch.isfinite(plain).all() and plain.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        g.square().sum().backward()
