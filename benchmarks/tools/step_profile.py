@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -36,28 +34,14 @@ def category(name: str) -> str:
     return "other (elementwise, norm, reduce, copy)"
 
 
-def wall_ms(step, count: int = 20) -> float:
-    """Median wall time of synchronised steps, ms."""
-    times = []
-    for _ in range(count):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def profile_step(kind, base, case, dtype, mode, steps, rows, which="train"):
-    from bench_resnet_dcn import case_steps
+    from bench_resnet_dcn import case_steps, timed
     from torch.profiler import ProfilerActivity, profile
 
     net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
     net.train(which == "train")  # as bench_resnet_dcn.py times them
     step = train_step if which == "train" else infer_step
-    for _ in range(5):
-        step()
-    wall = wall_ms(step)
+    wall, _ = timed(step, steps=20, warmup=5)  # bench_resnet_dcn.py's timer: synchronised steps, median ms
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
