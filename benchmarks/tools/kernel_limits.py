@@ -42,7 +42,7 @@ METRICS = {
     "smsp__inst_executed.sum": "warp instructions",
 }
 RESNET_LAYERS = [(32, 128, 28, 28), (32, 256, 14, 14), (32, 512, 7, 7)]  # (N, C, H, W), 3x3, stride 1
-DCNV4_LOADS = {"internimage-t-s1": (64, 56, 56, 4, 16), "dcnv4-bench": (64, 56, 56, 4, 32)}  # (N, H, W, G, D)
+DCNV4_LOADS = ("internimage-t-s1", "dcnv4-bench")  # bench_dcnv.py's SHAPES
 
 
 def _resnet_layer(n, c, h, w, gen):
@@ -57,26 +57,16 @@ def _resnet_layer(n, c, h, w, gen):
     return x, off, wt, b, m, go
 
 
-def _dcnv4_load(shape, gen):
-    """(x, offset_mask, grad_out, geometry) of a DCNv4 load, fp16."""
-    import deformconv
+def _dcnv4_load(name):
+    """(x, offset_mask, grad_out, geometry) of bench_dcnv.py's DCNv4 load name, fp16, as that script makes them."""
+    import bench_dcnv
+
     from deformconv.ops.dcnv3.geometry import DcnGeometry
 
-    n, h, w, g, d = shape
+    n, h, w, g, d = shape = bench_dcnv.SHAPES[name]
     geo = DcnGeometry(n, h, w, g, d, (3, 3), (1, 1), (1, 1), (1, 1), 1.0, False)
-    x = torch.randn(n, h, w, g * d, device="cuda", generator=gen).half()
-    offset = torch.randn(n, h, w, g * 18, device="cuda", generator=gen) * 2
-    mask = torch.softmax(torch.randn(n, h, w, g, 9, device="cuda", generator=gen), -1).reshape(n, h, w, -1)
-    om = deformconv.dcnv3_to_dcnv4(offset, mask, g).half()
+    x, om = (t.detach() for t in bench_dcnv._inputs(shape, torch.float16, "dcnv4"))
     return x, om, torch.randn_like(x), geo
-
-
-def _dcnv4_cuda():
-    try:
-        from DCNv4.functions import DCNv4Function
-        return DCNv4Function.apply
-    except Exception:  # not installed: its rows are left out
-        return None
 
 
 def split_rows():
@@ -99,8 +89,8 @@ def split_rows():
                                grad_to_none=[t for t in leaves if t.requires_grad], return_mode="median")
         rows.append(row)
         print(json.dumps(row), flush=True)
-    for name, shape in DCNV4_LOADS.items():
-        x, om, go, geo = _dcnv4_load(shape, gen)
+    for name in DCNV4_LOADS:
+        x, om, go, geo = _dcnv4_load(name)
         row = dict(op="dcnv4", load=name)
         row["forward"] = bench(lambda: kernels.dcnv4_forward(x, om, geo), return_mode="median")
         for label, needs in (("backward", (True, True)), ("backward without grad_input", (False, True)),
@@ -132,15 +122,17 @@ def profile() -> None:
         calls.append((f"deform_conv2d {n}x{c}x{h}x{w} forward+backward",
                       lambda x=x, off=off, wt=wt, b=b, m=m, go=go:
                       deformconv.deform_conv2d(x, off, wt, b, 1, 1, 1, m).backward(go)))
-    peer = _dcnv4_cuda()
-    for name, shape in DCNV4_LOADS.items():
-        x, om, go, geo = _dcnv4_load(shape, gen)
+    import bench_dcnv
+
+    peer = bench_dcnv._peers()["dcnv4_cuda"]  # a reason (a string) where it is not installed: its rows left out
+    for name in DCNV4_LOADS:
+        x, om, go, geo = _dcnv4_load(name)
         calls.append((f"dcnv4 {name} forward", lambda x=x, om=om, geo=geo: kernels.dcnv4_forward(x, om, geo)))
         calls.append((f"dcnv4 {name} backward",
                       lambda x=x, om=om, go=go, geo=geo: kernels.dcnv4_backward(go, x, om, geo, (True, True))))
-        if peer is not None:
+        if callable(peer):
             xx, oo = x.clone().requires_grad_(), om.clone().requires_grad_()
-            g, d = shape[3], shape[4]
+            g, d = geo.group, geo.group_channels
             calls.append((f"DCNv4 CUDA {name} forward+backward",
                           lambda xx=xx, oo=oo, go=go, g=g, d=d:
                           peer(xx, oo, 3, 3, 1, 1, 1, 1, 1, 1, g, d, 1.0, 256, False).backward(go)))
