@@ -205,14 +205,14 @@ def main(argv=None):
     ap.add_argument("--nets", nargs="+", default=["plain", "deformconv", "torchvision"])
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
     ap.add_argument("--layers", action="store_true")
-    ap.add_argument("--columns-grad-weight", action="store_true", help="grad_weight through the column buffer "
-                    "(options.columns_grad_weight: ops/deform_conv2d/columns.py)")
+    ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
+                    "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
     ap.add_argument("--out")
     args = ap.parse_args(argv)
     if args.columns_grad_weight:
         from deformconv.config import options
 
-        options.columns_grad_weight = True
+        options.columns_grad_weight = args.columns_grad_weight == "on"
     base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     records, layers = [], []

@@ -23,6 +23,8 @@ SHAPES = {
     "5x5-no-mask": (2, 16, 24, 15, 19, 5, 1, 1, 1, 2, False),
     "og8-packed": (2, 64, 64, 14, 15, 3, 1, 8, 1, 1, True),
 }
+# at columns.MIN_COUT output channels: grad_weight through the column buffer by default in 16 bits
+WIDE = {"cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, True)}
 DTYPES = ("float32", "float16", "bfloat16")
 MAIN_KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
 
@@ -49,7 +51,7 @@ def _fake_inputs(name, dtype, symbolic=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    n, cin, cout, h, w, k, g, og, s, p, has_mask = SHAPES[name]
+    n, cin, cout, h, w, k, g, og, s, p, has_mask = {**SHAPES, **WIDE}[name]
     ho, wo = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
     env = ShapeEnv() if symbolic else None
     if symbolic:
@@ -114,6 +116,8 @@ def _child() -> dict:
 
     with options.override(columns_grad_weight=True):
         results["columns"] = _trace("odd-s2", "bfloat16")
+    for dtype in ("bfloat16", "float32"):
+        results[f"cout-128:{dtype}"] = _trace("cout-128", dtype)
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
     results["switched-off"] = _trace("groups-og4", "float16")
     return results
@@ -168,6 +172,18 @@ def test_grad_weight_through_the_column_buffer_traces(traces):
     assert not t["opaque"], t["opaque"]
     assert t["traced"] == t["promised"]
     assert not any(launch["writes_inputs"] for launch in t["stores"]), t["stores"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_grad_weight_takes_the_column_buffer_by_default_when_compiled(traces, dtype):
+    """Unforced, at columns.MIN_COUT output channels the compile route's grad_weight is the column kernel and its
+    product in 16 bits, and the fused kernel in fp32; outputs as promised either way."""
+    t = traces[f"cout-128:{dtype}"]
+    columns = dtype == "bfloat16"
+    assert ("_columns_kernel" in t["launched"]) == columns, t["launched"]
+    assert ("_deform_conv2d_bwd_weight_kernel" in t["launched"]) != columns, t["launched"]
+    assert not t["opaque"], t["opaque"]
+    assert t["traced"] == t["promised"]
 
 
 def test_only_the_gradients_asked_for_are_computed(traces):

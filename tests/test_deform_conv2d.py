@@ -557,17 +557,21 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "1x1-no-mask", "og4-packed-segments",
                                     "long-segment-partial-chunk", "groups2-og2"])
-@pytest.mark.parametrize("buffers", ["one", "several"], ids=["one-buffer", "chunks-and-several-buffers"])
+@pytest.mark.parametrize("buffers", ["one", "several", "unbounded"],
+                         ids=["one-buffer", "chunks-and-several-buffers", "infinite-budget"])
 def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, monkeypatch, forced):
     """options.columns_grad_weight: grad_weight from the sampled column buffer and one product per buffer gives the
     oracle's gradients (the others unchanged), with the input read NHWC or offset-grouped (short segments), also with
-    the batch in chunks of images and each chunk's buffer holding one M tile of rows; conv groups and fp32 (which
-    keep the fused kernel) too."""
+    the batch in chunks of images and each chunk's buffer holding one M tile of rows, and under an infinite workspace
+    budget (one buffer); conv groups and fp32 (which keep the fused kernel) too."""
     kernels = kernel_modules()
     forced(columns_grad_weight=True)
     if buffers == "several":
         forced(default_workspace_budget=0.0, min_chunk_programs=1)  # one image a chunk
         monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)       # one M tile of rows a buffer
+    if buffers == "unbounded":
+        forced(default_workspace_budget=float("inf"))
+        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)
     products = []
     real = kernels.columns.mm_fp32
     monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
@@ -578,7 +582,22 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
     uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32  # else the fused kernel
     assert bool(products) == uses
     if config == "3x3-pad1" and uses:  # one product a call, or one per image and M tile
-        assert len(products) == (1 if buffers == "one" else 3 * 2)
+        assert len(products) == (3 * 2 if buffers == "several" else 1)
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("cout", [128, 256])
+def test_eager_grad_weight_keeps_the_fused_kernel(backend, dtype, cout, monkeypatch, forced):
+    """Unforced, an eager call's grad_weight takes the fused kernel at any width (the column buffer is the compile
+    route's from columns.MIN_COUT output channels on: test_compile_route.py), and gives the oracle's gradients."""
+    kernels = kernel_modules()
+    forced()
+    products = []
+    real = kernels.columns.mm_fp32
+    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
+    args, kwargs = make_case(n=2, cin=4, cout=cout, h=5, w=4, kh=3, kw=3, padding=1, dtype=dtype, seed=cout)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    assert not products
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -732,7 +751,7 @@ def test_wide_configs(backend, dtype, config, monkeypatch, forced):
     partial last column tile at 520, give the float64 reference's output and gradients."""
     kernels = kernel_modules()
 
-    forced()
+    forced(columns_grad_weight=False)  # the fused grad_weight kernel's wide tile, not the column buffer
     args, kwargs = make_case(**WIDE_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
     used = {key[0]: cfg for key, cfg in kernels.launch.chosen_configs().items()}

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 def category(name: str) -> str:
     """A kernel's family, by its name: our Triton kernels, the convolutions and GEMMs, and the rest."""
     low = name.lower()
-    if "deform" in low or low.startswith(("_pack", "_transpose", "_channel_sum", "_finish_grads")):
+    if "deform" in low or low.startswith(("_pack", "_transpose", "_channel_sum", "_finish_grads", "_columns")):
         return "deformconv kernels"
     if any(k in low for k in ("conv", "gemm", "sm90", "xmma", "cutlass", "wgrad", "dgrad", "implicit")):
         return "conv / gemm"
@@ -76,13 +76,13 @@ def main(argv=None):
     ap.add_argument("--steps-of", nargs="+", default=["train"], choices=["train", "infer"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--columns-grad-weight", action="store_true", help="grad_weight through the column buffer "
-                    "(options.columns_grad_weight)")
+    ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
+                    "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
     args = ap.parse_args(argv)
     if args.columns_grad_weight:
         from deformconv.config import options
 
-        options.columns_grad_weight = True
+        options.columns_grad_weight = args.columns_grad_weight == "on"
     base = resnet50_base()
     case, dt = args.case.split(":")
     for which in args.steps_of:

@@ -146,7 +146,6 @@ class Options:
     fused_prep: bool = True              # the forward's weight pack and input copy in one launch
     paired_transposes: bool = True       # the backward's two layout copies in one launch
     direct_grad_weight: bool = True      # grad_weight stored by its kernel where one split makes it final
-    columns_grad_weight: bool = False    # grad_weight through a column buffer and cuBLAS (columns.py; docs/tuning.md)
     layout_kernels_on_cpu: bool = False  # the layout kernels under the interpreter too (else torch's copies)
     # tuning constants of the backward's schedule (configs.py and schedule.py say why)
     default_workspace_budget: float = 1.5
@@ -159,6 +158,8 @@ class Options:
     per_image: Optional[bool] = None
     grouped_input: Optional[bool] = None
     go_resident: Optional[bool] = None
+    columns_grad_weight: Optional[bool] = None  # grad_weight through a column buffer and cuBLAS (True: wherever
+                                                # usable; None: where columns.columns_usable's rule takes it)
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     preload_points: Optional[bool] = None  # a row's point parameters loaded for all its points first (None: where
                                            # they fit 16 columns; common/launch.py: preload_points)

@@ -19,6 +19,8 @@ SHAPES = {
     "groups-og4": (2, 32, 48, 13, 11, 3, 2, 4, 1, 1, 1, "random"),
     "5x5-no-mask": (2, 16, 24, 15, 19, 5, 1, 1, 1, 2, 1, None),
     "og8-packed": (2, 64, 64, 14, 15, 3, 1, 8, 1, 1, 1, "random"),
+    # columns.MIN_COUT output channels: grad_weight through the column buffer in 16 bits (columns_usable)
+    "cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, 1, "random"),
 }
 KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
 
@@ -68,8 +70,10 @@ def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtyp
     ref_out, ref_grads, gout = _fwd_bwd(layer, leaves64)  # the float64 reference (CUDA float64: reference backend)
     (out, grads, _), codes = run_and_get_code(lambda: _fwd_bwd(compiled, [t.to(dtype) for t in leaves64], gout))
     code = "\n".join(codes)
-    for kernel in KERNELS:
+    columns = name == "cout-128" and dtype != torch.float32
+    for kernel in KERNELS[:2] + (("_columns_kernel",) if columns else KERNELS[2:]):
         assert kernel in code, f"{kernel} is not launched by Inductor's code"
+    assert ("_deform_conv2d_bwd_weight_kernel" in code) != columns
     assert "torch.ops.deformconv" not in code, "the op stayed opaque"
     assert out.dtype == dtype
     assert_close(out, ref_out, dtype, "output")

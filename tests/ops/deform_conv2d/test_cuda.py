@@ -223,6 +223,7 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch, forced):
     bit (the same products in the same order), and both runs match the float64 reference (in TF32, as fp32 runs
     by default: within TF32's error)."""
     torch.backends.cudnn.allow_tf32 = tf32  # the autouse fixture restores it
+    forced(columns_grad_weight=False)  # grad_weight's kernel at every width, not the column buffer's cuBLAS product
     args, kwargs = _case(shape, dtype, seed=17)
     ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
 
@@ -437,20 +438,24 @@ def test_repeated_calls_and_misaligned_pointers():
             assert_close(g, r, torch.float16, f"grad_{name} (misaligned)")
 
 
+@pytest.mark.parametrize("shape", ["og8-packed-segments", "cout-512-tma"])
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
-def test_cuda_graph_replay_matches_eager(deterministic):
+def test_cuda_graph_replay_matches_eager(deterministic, shape, forced):
     """Forward+backward captured in a CUDA graph (the eager fast path and the direct kernel relaunch inside)
     and replayed on new data gives the eager results on that data; in deterministic mode (the fixed-point
-    scale computed on the device, no sync) bit for bit, grad_input included."""
+    scale computed on the device, no sync) bit for bit, grad_input included. At 512 output channels grad_weight
+    takes the column buffer (forced), beside the grad_input kernel on the side stream (outside deterministic mode)."""
+    if shape == "cout-512-tma":
+        forced(columns_grad_weight=True)
     torch.use_deterministic_algorithms(deterministic)
     try:
-        _graph_replay_matches_eager(deterministic)
+        _graph_replay_matches_eager(deterministic, shape)
     finally:
         torch.use_deterministic_algorithms(False)
 
 
-def _graph_replay_matches_eager(deterministic):
-    args, kwargs = _case("og8-packed-segments", torch.float16, seed=41)
+def _graph_replay_matches_eager(deterministic, shape):
+    args, kwargs = _case(shape, torch.float16, seed=41)
     leaves = [t.detach().requires_grad_(True) for t in (*args, kwargs["mask"])]
     x, offset, weight, bias, mask = leaves
     gen = torch.Generator(device="cuda").manual_seed(42)
@@ -490,11 +495,14 @@ def _graph_replay_matches_eager(deterministic):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", ["cout-512-tma", "og8-packed-segments"])
-def test_concurrent_backward_matches_sequential(shape, dtype, monkeypatch, forced):
+@pytest.mark.parametrize("columns", [None, True], ids=["fused-grad-weight", "column-buffer"])
+def test_concurrent_backward_matches_sequential(shape, dtype, columns, monkeypatch, forced):
     """Small batches run grad_weight on a side stream beside the grad_input kernel (concurrent_backward): the first
     call (planning) and the second (planned) both take the side stream, give grad_weight's bits twice, and match the
-    float64 reference as the sequential backward (DEFORMCONV_BACKWARD_STREAMS=0) does."""
+    float64 reference as the sequential backward (DEFORMCONV_BACKWARD_STREAMS=0) does; with the column buffer forced
+    (columns.py, 16 bits, one conv group) its kernel and product run there instead of the fused kernel."""
     kernels = kernel_modules()
+    forced(columns_grad_weight=columns)
 
     forks = []
     side_stream = kernels.backward.side_stream

@@ -39,6 +39,9 @@ from .geometry import DcnGeometry
 # (elements, warps) of a program: BLOCK_M·BLOCK_D = 1024 over 4 warps, 8 a thread. Each element holds 4 corner
 # values; larger tiles compile to 140-255 registers a thread (2-3 programs an SM), this one to 64-128.
 TILE = (1024, 4)
+# The backward's: 512 over 4 warps, 4 a thread. Its scatters and channel sums hold more per element than the forward's
+# blend; at half the forward's share a thread it runs more programs an SM (docs/tuning.md).
+BACKWARD_TILE = (512, 4)
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -227,8 +230,8 @@ def _args(input: Tensor, geo: DcnGeometry, strides: Sequence[int]) -> tuple:
             geo.offset_scale)
 
 
-def _meta(geo: DcnGeometry) -> dict:
-    block_m, block_d, warps = channel_row_blocks(geo.group_channels, TILE)  # BLOCK_M positions
+def _meta(geo: DcnGeometry, tile: Tuple[int, int]) -> dict:
+    block_m, block_d, warps = channel_row_blocks(geo.group_channels, tile)  # BLOCK_M positions
     return dict(D=geo.group_channels, KH=geo.kernel[0], KW=geo.kernel[1], K=geo.points,
                 REMOVE_CENTER=geo.remove_center, BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
 
@@ -249,8 +252,9 @@ class Call:
         self.geo, self.v4 = geo, v4
         p = offset_channels
         self.strides = (p, 3 * geo.points, p, 3 * geo.points) if v4 else _v3_strides(geo)
-        self.meta = _meta(geo)
+        self.meta, self.backward_meta = _meta(geo, TILE), _meta(geo, BACKWARD_TILE)
         self.grid, self.args = _grid(geo, self.meta), _args(x, geo, self.strides)
+        self.backward_grid = _grid(geo, self.backward_meta)
         self.out_shape = (geo.batch, geo.out_h, geo.out_w, geo.channels)
         self.dtype, self.device = x.dtype, x.device
         self.preload = preload_points(geo.points)
@@ -303,10 +307,10 @@ class Call:
         key = (need_in, goff is not None, gmsk is not None, fixed, go.dtype)
         launch = self.backward_launches.get(key)
         if launch is None:
-            meta = dict(self.meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None,
-                        FIXED=fixed, num_warps=backward_warps(self.meta["num_warps"], fixed),
+            meta = dict(self.backward_meta, NEED_IN=need_in, NEED_OFF=goff is not None, NEED_MSK=gmsk is not None,
+                        FIXED=fixed, num_warps=backward_warps(self.backward_meta["num_warps"], fixed),
                         PRELOAD=self.preload)
-            launch = self.backward_launches[key] = Launch(_dcn_bwd_kernel, self.grid, self.args, meta)
+            launch = self.backward_launches[key] = Launch(_dcn_bwd_kernel, self.backward_grid, self.args, meta)
         with on_device_of(x):
             launch(x, off, msk, go, gin if gin is not None else x, goff if goff is not None else off,
                    gmsk if gmsk is not None else msk, scales[0] if fixed else off)

@@ -237,16 +237,22 @@ def _backward_chunk(
     # candidates are timed: DEFORMCONV_AUTOTUNE's first call). Every tensor it reads or writes was allocated on this
     # stream before the fork, and this stream waits for it before any of them is freed, so the caching allocator
     # cannot hand their memory out early.
-    side = main = join = targets = None
-    if weight_kernel and concurrent and not (config.autotune() and plan.data is None):
-        targets = new_targets()
+    # The column buffer's route runs there too; its result, allocated on the side stream, is marked as used by this
+    # one, so that its memory is not handed to the side stream again while this one still reads it.
+    side = main = join = targets = grad_w = None
+    if need_w and concurrent and not (config.autotune() and plan.data is None):
+        targets = None if columns else new_targets()
         side, fork, join = side_stream(input.device)
         main = torch.cuda.current_stream(input.device)  # looked up once (its Stream object costs microseconds)
         fork.record(main)
         side.wait_event(fork)
         torch.cuda.set_stream(side)
         try:
-            grad_weight_into(targets)
+            if columns:
+                grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
+                grad_w.record_stream(main)
+            else:
+                grad_weight_into(targets)
         finally:
             torch.cuda.set_stream(main)
 
@@ -290,9 +296,10 @@ def _backward_chunk(
             main.wait_event(join)
 
     # --- grad_weight: launched here unless it runs beside grad_input ---
-    grad_w, grad_b = None, go_sums
-    if columns:  # after the accumulator is freed: the column buffer takes its memory
-        grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
+    grad_b = go_sums
+    if columns:
+        if side is None:  # after the accumulator is freed: the column buffer takes its memory
+            grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
     elif need_w:
         if side is None:  # after the accumulator is freed: the partials take its memory
             targets = new_targets()

@@ -12,12 +12,13 @@ Shapes (groups = 1):
 
 The fused grad_weight kernel samples A again for every N tile and sums over M in split partials; here A is sampled
 once and the product runs at cuBLAS's speed, for the price of writing and reading A: kh·kw times the input's size at
-stride 1. A is built R rows at a time (columns_rows bounds its memory). Off unless options.columns_grad_weight is set:
-docs/tuning.md has what decides it.
+stride 1. A is built R rows at a time (columns_rows bounds its memory). The compile route takes it from MIN_COUT
+output channels on (columns_usable); docs/tuning.md has the measurements.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from ...checks import ConvGeometry
 from ...compat import mm_fp32
-from ...config import options
+from ...config import options, tracing
 from ..common.launch import Launch, ceil_div, next_pow2, pointer_specs, remember
 from ..common.sampling import bilinear_weights, blend, load_corners, sample_point
 from .tiles import position_setup, tap_origin
@@ -38,6 +39,11 @@ BLOCK_M = 64          # positions a program (rows of A)
 MAX_BLOCK_K = 64      # channels a step
 WARPS = 8
 MIN_BUFFER = 64 << 20  # bytes of A at least allowed at once (else workspace_budget times the chunk's input)
+# Under the compile route, from this many output channels on, grad_weight takes the column buffer: traced, the fused
+# kernel runs without its register caps and TMA, and the launches cost no host time in the compiled graph, while A's
+# product runs on cuBLAS. With fewer output channels the product is small against A's round trip through memory. An
+# eager call keeps the fused kernel: there it runs beside the grad_input kernel on a side stream, in fewer launches.
+MIN_COUT = 128
 
 
 # --- kernel --------------------------------------------------------------------------------------------
@@ -84,15 +90,21 @@ def _columns_kernel(
 
 
 def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_weight takes the column buffer: asked for (options.columns_grad_weight), one conv group, 16-bit
-    inputs (fp32's products would follow cuBLAS's TF32 switch, not cuDNN's as the kernels do), and not in deterministic
-    mode (cuBLAS's sums need its own deterministic workspace setting there)."""
-    return (bool(options.columns_grad_weight) and geo.groups == 1 and dtype in (torch.float16, torch.bfloat16)
-            and not fixed)
+    """Whether grad_weight takes the column buffer: one conv group, 16-bit inputs (fp32's products would follow
+    cuBLAS's TF32 switch, not cuDNN's as the kernels do), not in deterministic mode (cuBLAS's sums need its own
+    deterministic workspace setting there), and traced for the compile route with at least MIN_COUT output channels;
+    or wherever usable with options.columns_grad_weight True (False: never)."""
+    usable = geo.groups == 1 and dtype in (torch.float16, torch.bfloat16) and not fixed
+    if options.columns_grad_weight is not None:
+        return usable and bool(options.columns_grad_weight)
+    return usable and tracing() and geo.out_channels >= MIN_COUT
 
 
 def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float) -> int:
-    """Rows of A built at once: what max(budget × the chunk's input, MIN_BUFFER) bytes hold, in whole M tiles."""
+    """Rows of A built at once: what max(budget × the chunk's input, MIN_BUFFER) bytes hold, in whole M tiles (an
+    infinite budget: all of the chunk's positions)."""
+    if math.isinf(budget):
+        return max(BLOCK_M, ceil_div(images * geo.out_h * geo.out_w, BLOCK_M) * BLOCK_M)
     row_bytes = geo.kernel_h * geo.kernel_w * geo.in_channels * elem
     input_bytes = images * geo.in_channels * geo.height * geo.width * elem
     rows = max(budget * input_bytes, MIN_BUFFER) // max(row_bytes, 1)
