@@ -563,7 +563,9 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
     """options.columns_grad_weight: grad_weight from the sampled column buffer and one product per buffer gives the
     oracle's gradients (the others unchanged), with the input read NHWC or offset-grouped (short segments), also with
     the batch in chunks of images and each chunk's buffer holding one M tile of rows, and under an infinite workspace
-    budget (one buffer); conv groups and fp32 (which keep the fused kernel) too."""
+    budget (one buffer; 16 bits, one layer); conv groups and fp32 (which keep the fused kernel) too."""
+    if buffers == "unbounded" and (config != "3x3-pad1" or dtype == torch.float32):
+        pytest.skip("the infinite budget: one 16-bit layer")
     kernels = kernel_modules()
     forced(columns_grad_weight=True)
     if buffers == "several":
@@ -586,7 +588,7 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("cout", [128, 256])
+@pytest.mark.parametrize("cout", [128])
 def test_eager_grad_weight_keeps_the_fused_kernel(backend, dtype, cout, monkeypatch, forced):
     """Unforced, an eager call's grad_weight takes the fused kernel at any width (the column buffer is the compile
     route's from columns.MIN_COUT output channels on: test_compile_route.py), and gives the oracle's gradients."""
