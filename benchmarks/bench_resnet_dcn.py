@@ -208,7 +208,13 @@ def main(argv=None):
     ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
                     "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
     ap.add_argument("--out")
+    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
+                    "cuBLAS's grad_col rows (options.columns_grad_data: ops/deform_conv2d/columns.py)")
     args = ap.parse_args(argv)
+    if args.columns_grad_data:
+        from deformconv.config import options
+
+        options.columns_grad_data = True
     if args.columns_grad_weight:
         from deformconv.config import options
 
@@ -238,7 +244,8 @@ def main(argv=None):
                   f"{ours:.3f} | {conv:.3f} | {ours / conv:.2f} | {r.get('deformconv_fb_ms', 0):.3f} | "
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
-        env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight)
+        env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight,
+                   columns_grad_data=args.columns_grad_data)
         write_results(args.out, env, records, layers=layers)
 
 

@@ -118,6 +118,8 @@ def _child() -> dict:
         results["columns"] = _trace("odd-s2", "bfloat16")
     for dtype in ("bfloat16", "float32"):
         results[f"cout-128:{dtype}"] = _trace("cout-128", dtype)
+    with options.override(columns_grad_data=True):
+        results["grad-columns"] = _trace("odd-s2", "bfloat16")
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
     results["switched-off"] = _trace("groups-og4", "float16")
     return results
@@ -184,6 +186,17 @@ def test_grad_weight_takes_the_column_buffer_by_default_when_compiled(traces, dt
     assert ("_deform_conv2d_bwd_weight_kernel" in t["launched"]) != columns, t["launched"]
     assert not t["opaque"], t["opaque"]
     assert t["traced"] == t["promised"]
+
+
+def test_grad_data_through_the_grad_col_buffer_traces(traces):
+    """options.columns_grad_data under the compile route: grad_col an aten product, the grad_columns kernel launched
+    from the graph instead of the grad_input kernel, writing no graph input; outputs as promised."""
+    t = traces["grad-columns"]
+    launched = t["launched"]
+    assert "_grad_columns_kernel" in launched and "_deform_conv2d_bwd_data_kernel" not in launched, launched
+    assert not t["opaque"], t["opaque"]
+    assert t["traced"] == t["promised"]
+    assert not any(launch["writes_inputs"] for launch in t["stores"]), t["stores"]
 
 
 def test_only_the_gradients_asked_for_are_computed(traces):

@@ -588,6 +588,56 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "1x1-no-mask", "far-outside", "og2-long-segments",
+                                    "long-segment-partial-chunk", "og4-packed-segments", "groups2-og2"])
+@pytest.mark.parametrize("buffers", ["one", "several"], ids=["one-buffer", "chunks-and-several-buffers"])
+def test_grad_data_through_the_grad_col_buffer(backend, dtype, config, buffers, monkeypatch, forced):
+    """options.columns_grad_data: grad_col from one product per buffer, scattered and summed by the grad_columns
+    kernel, gives the oracle's gradients, with offset groups, partial channel chunks, points outside the image, the
+    batch in one-image chunks and one M tile of rows a buffer, the input read NHWC or offset-grouped (short
+    segments); where it does not apply (conv groups, fp32) the fused kernel runs instead."""
+    kernels = kernel_modules()
+    forced(columns_grad_data=True)
+    if buffers == "several":
+        forced(default_workspace_budget=0.0, min_chunk_programs=1)  # one image a chunk
+        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)       # one M tile of rows a buffer
+    products = []
+    real = kernels.columns.mm_fp32
+    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
+    larger = dict(h=9, w=9) if config == "3x3-pad1" else {}  # 81 positions an image: 2 M tiles
+    args, kwargs = make_case(**dict(CONFIGS[config], n=2, **larger), dtype=dtype,
+                             seed=zlib.crc32(config.encode()) % 983)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32
+    assert bool(products) == uses
+    if config == "3x3-pad1" and uses:  # one product of all 162 rows, or buffers of at most one M tile of rows
+        assert sum(p[0] for p in products) == 2 * 81
+        assert len(products) == 1 if buffers == "one" else max(p[0] for p in products) <= kernels.columns.BLOCK_M
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("wrt", [("offset", "mask"), ("input",)], ids=["offset-mask-only", "input-only"])
+def test_grad_data_through_the_grad_col_buffer_computes_what_is_asked(backend, dtype, wrt, forced):
+    """options.columns_grad_data with only some of grad_input, grad_offset and grad_mask asked for: those equal the
+    oracle's, as when all are asked for."""
+    forced(columns_grad_data=True)
+    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=211)
+    leaves = dict(zip(GRAD_NAMES, _with_grad(args, kwargs, dtype)))
+    leaves64 = {k: v.detach().double().requires_grad_(True) for k, v in leaves.items()}
+    g = torch.Generator().manual_seed(3)
+    grads = {}
+    for name, ls, fn in (("ours", leaves, lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend)),
+                         ("oracle", leaves64, naive_deform_conv2d)):
+        out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
+                 padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
+        if name == "ours":
+            gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        grads[name] = torch.autograd.grad(out, [ls[k] for k in wrt], gout.to(out.dtype))
+    for k, ours, ref in zip(wrt, grads["ours"], grads["oracle"]):
+        assert_close(ours, ref, dtype, f"grad_{k}")
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("cout", [128])
 def test_eager_grad_weight_keeps_the_fused_kernel(backend, dtype, cout, monkeypatch, forced):
     """Unforced, an eager call's grad_weight takes the fused kernel at any width (the column buffer is the compile

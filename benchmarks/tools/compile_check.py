@@ -165,11 +165,11 @@ def deform_conv2d_cases(dtypes):
                         out = deformconv.deform_conv2d(x, off, wt, b, 1, 1, 1, m, backend="triton")
                     _grads(out, [x, off, wt, b, m])
                 yield f"deform_conv2d {name} float32-weight {str(dtype)[6:]}", run_autocast
-            if name in ("resnet-c3-s2", "og8-wide"):  # grad_weight through the column buffer (columns.py)
+            if name in ("resnet-c3-s2", "og8-wide"):  # the column buffers, both ways (columns.py)
                 def run_columns(run=run):
                     from deformconv.config import options
 
-                    with options.override(columns_grad_weight=True):
+                    with options.override(columns_grad_weight=True, columns_grad_data=True):
                         run()
                 yield f"deform_conv2d {name} columns {str(dtype)[6:]}", run_columns
 

@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 def category(name: str) -> str:
     """A kernel's family, by its name: our Triton kernels, the convolutions and GEMMs, and the rest."""
     low = name.lower()
-    if "deform" in low or low.startswith(("_pack", "_transpose", "_channel_sum", "_finish_grads", "_columns")):
+    if "deform" in low or low.startswith(("_pack", "_transpose", "_channel_sum", "_finish_grads", "_columns",
+                                          "_grad_columns")):
         return "deformconv kernels"
     if any(k in low for k in ("conv", "gemm", "sm90", "xmma", "cutlass", "wgrad", "dgrad", "implicit")):
         return "conv / gemm"
@@ -78,7 +79,13 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
                     "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
+    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
+                    "cuBLAS's grad_col rows (options.columns_grad_data: ops/deform_conv2d/columns.py)")
     args = ap.parse_args(argv)
+    if args.columns_grad_data:
+        from deformconv.config import options
+
+        options.columns_grad_data = True
     if args.columns_grad_weight:
         from deformconv.config import options
 

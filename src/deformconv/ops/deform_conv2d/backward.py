@@ -25,7 +25,7 @@ from ..common.layout import (channel_sum, from_offset_grouped, run_transposes, t
                              to_offset_grouped)
 from .backward_data import launch_grad_data, run_grad_data
 from .backward_weight import finish_grads, launch_grad_weight, run_grad_weight, weight_targets
-from .columns import columns_grad_weight, columns_usable
+from .columns import columns_grad_data, columns_grad_weight, columns_usable, grad_columns_usable
 from .configs import Config, bwd_data_candidates, bwd_weight_candidates
 from .geometry import (contiguous_operands, grouped_input, plan_key, position_strides, segment_length, size_args,
                        tuning_class)
@@ -269,7 +269,10 @@ def _backward_chunk(
             gmsk = grad_mask if need_mask else off
             scale = scales[0] if fixed_gin else off
             operands = (x, off, msk, wp, go, acc, goff, gmsk, scale)
-            if plan.data is None:
+            if grad_columns_usable(geo, dtype, fixed_gin):
+                columns_grad_data(geo, x, off, msk if mask is not None else None, wp, go, gin, grad_off, grad_mask,
+                                  workspace_budget(), plan.meta["GROUPED"])
+            elif plan.data is None:
                 def launch_data(cfg: Config) -> Launch:
                     return launch_grad_data(geo, seg, plan.args, plan.meta, cfg, (need_in, need_off, need_mask),
                                             fixed_gin, *operands)

@@ -14,6 +14,10 @@ The fused grad_weight kernel samples A again for every N tile and sums over M in
 once and the product runs at cuBLAS's speed, for the price of writing and reading A: kh·kw times the input's size at
 stride 1. A is built R rows at a time (columns_rows bounds its memory). The compile route takes it from MIN_COUT
 output channels on (columns_usable); docs/tuning.md has the measurements.
+
+The same buffer the other way (options.columns_grad_data, off): grad_col = grad_out @ Wᵀ by cuBLAS into fp32 rows
+[R, kh·kw·Cin], then a kernel that reads them and samples the corners again, scatters grad_col to grad_input and sums
+grad_offset and grad_mask, as the fused grad_input kernel does after its own product (backward_data.py).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ import triton.language as tl
 from torch import Tensor
 
 from ...checks import ConvGeometry
-from ...compat import mm_fp32
+from ...compat import codegen_profile, mm_fp32
 from ...config import options, tracing
 from ..common.launch import Launch, ceil_div, next_pow2, pointer_specs, remember
-from ..common.sampling import bilinear_weights, blend, load_corners, sample_point
+from ..common.sampling import (bilinear_weights, blend, corner_pairs, load_corners, mask_offset_grads, pair_sums,
+                               pair_weights, sample_point, scatter_pairs)
 from .tiles import position_setup, tap_origin
 
 # --- config --------------------------------------------------------------------------------------------
@@ -38,6 +43,7 @@ from .tiles import position_setup, tap_origin
 BLOCK_M = 64          # positions a program (rows of A)
 MAX_BLOCK_K = 64      # channels a step
 WARPS = 8
+GRAD_TILE = (32, 32, 4)  # the grad_col kernel's (positions, channels a step, warps): sm_90 registers in tuning.md
 MIN_BUFFER = 64 << 20  # bytes of A at least allowed at once (else workspace_budget times the chunk's input)
 # Under the compile route, from this many output channels on, grad_weight takes the column buffer: traced, the fused
 # kernel runs without its register caps and TMA, and the launches cost no host time in the compiled graph, while A's
@@ -86,6 +92,76 @@ def _columns_kernel(
                  mask=m_valid[:, None] & k_ok[None, :])
 
 
+@triton.jit
+def _grad_columns_kernel(
+    x_ptr,        # input NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
+    off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
+    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read only if HAS_MASK)
+    gcol_ptr,     # grad_col's rows [R, KH*KW*Cin] fp32 from position TILE0*BLOCK_M on
+    gin_ptr,      # grad_input's accumulator fp32 in x's layout, zeroed (atomic adds; if NEED_GIN)
+    goff_ptr,     # grad_offset like offset (if NEED_GOFF)
+    gmsk_ptr,     # grad_mask like mask (if NEED_GMSK)
+    H, W, CIN, HO, WO, M, COG, G,
+    STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
+    TILE0,        # the first M tile of this buffer
+    KH: tl.constexpr, KW: tl.constexpr, HAS_MASK: tl.constexpr, GROUPED: tl.constexpr,
+    NEED_GIN: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr,
+    PAIRS_OUTER: tl.constexpr,    # corner pairs addressed pair axis outermost (compat.CodegenProfile)
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """grad_col[m, tap·Cin + c] scattered to the 4 corners of its sample point (atomics) and summed over the offset
+    group's channels into grad_offset and grad_mask (each (position, tap, offset group) owned by one program: plain
+    stores). Grid: (M tiles of the buffer, taps, offset groups)."""
+    pid_m = TILE0 + tl.program_id(0)
+    tap = tl.program_id(1)
+    og = tl.program_id(2)
+    KK: tl.constexpr = KH * KW
+    L = HO * WO
+    m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, False, BLOCK_M)
+    y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
+    ch = og * KK + tap
+    PIX = COG if GROUPED else CIN  # the pixel stride, and where the group's channels start from a pixel's
+    group0 = og * (tl.cast(H * W, tl.int64) * COG if GROUPED else COG)  # tl.cast: H, W may be constants
+    p00, v00, v01, v10, v11, ly, lx, mv = sample_point(off_ptr, msk_ptr, off_row, msk_row, ch, L, y_ref, x_ref,
+                                                       pix_base, H, W, PIX, m_valid, HAS_MASK)
+    # one segment a chunk, as corner_pairs and pair_sums take them: [BM, 1] points, [BM, 1, BK] channels
+    p00, v00, v01, v10, v11 = p00[:, None], v00[:, None], v01[:, None], v10[:, None], v11[:, None]
+    ly, lx, mv = ly[:, None], lx[:, None], mv[:, None]
+    wt, wb = pair_weights(ly, lx, mv)
+    s00 = tl.zeros((BLOCK_M, 1), tl.float32)
+    sdx = tl.zeros((BLOCK_M, 1), tl.float32)
+    sdy = tl.zeros((BLOCK_M, 1), tl.float32)
+    sdy1 = tl.zeros((BLOCK_M, 1), tl.float32)
+    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64) * (KK * CIN) + tap * CIN
+    offs_k = tl.arange(0, BLOCK_K)
+    for c0 in range(0, COG, BLOCK_K):
+        k_ok = c0 + offs_k < COG
+        g = tl.load(gcol_ptr + rows[:, None] + (og * COG + c0 + offs_k)[None, :], mask=m_valid[:, None] & k_ok[None, :],
+                    other=0.0)
+        g3 = tl.reshape(g, (BLOCK_M, 1, BLOCK_K))
+        cc = (group0 + c0 + offs_k)[None, :]
+        c_ok = k_ok[None, :]
+        if NEED_GMSK or NEED_GOFF:
+            top, bottom = corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * PIX, PIX, PAIRS_OUTER, c_ok)
+            a00, adx, ady, ady1 = pair_sums(g3, top, bottom)
+            s00 += a00
+            sdx += adx
+            sdy += ady
+            sdy1 += ady1
+        if NEED_GIN:
+            scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * PIX, PIX, 1.0, False, PAIRS_OUTER,
+                          c_ok)
+    g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+    done = m_valid[:, None]
+    if NEED_GOFF:
+        gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
+        tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
+        tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
+    if NEED_GMSK:
+        tl.store(gmsk_ptr + msk_row[:, None] + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
+
+
 # --- launcher ------------------------------------------------------------------------------------------
 
 
@@ -100,12 +176,20 @@ def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
     return usable and tracing() and geo.out_channels >= MIN_COUT
 
 
-def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float) -> int:
-    """Rows of A built at once: what max(budget × the chunk's input, MIN_BUFFER) bytes hold, in whole M tiles (an
-    infinite budget: all of the chunk's positions)."""
+def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: options.columns_grad_data, one conv
+    group, 16-bit inputs (as columns_usable), and not in deterministic mode (its fixed-point sums are the fused
+    kernel's)."""
+    return (bool(options.columns_grad_data) and geo.groups == 1 and dtype in (torch.float16, torch.bfloat16)
+            and not fixed)
+
+
+def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float, row_elem: Optional[int] = None) -> int:
+    """Rows of a buffer built at once (row_elem bytes an element, else elem, the input's): what max(budget × the
+    chunk's input, MIN_BUFFER) bytes hold, in whole M tiles (an infinite budget: all of the chunk's positions)."""
     if math.isinf(budget):
         return max(BLOCK_M, ceil_div(images * geo.out_h * geo.out_w, BLOCK_M) * BLOCK_M)
-    row_bytes = geo.kernel_h * geo.kernel_w * geo.in_channels * elem
+    row_bytes = geo.kernel_h * geo.kernel_w * geo.in_channels * (row_elem or elem)
     input_bytes = images * geo.in_channels * geo.height * geo.width * elem
     rows = max(budget * input_bytes, MIN_BUFFER) // max(row_bytes, 1)
     return max(BLOCK_M, int(rows) // BLOCK_M * BLOCK_M)
@@ -132,6 +216,49 @@ def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional
         part = mm_fp32((cols if whole else cols[:r]).t(), go_rows if whole else go_rows[m0:m0 + r])
         gw = part if gw is None else gw.add_(part)
     return gw.view(1, 1, kk, cin, cout)
+
+
+def columns_grad_data(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[Tensor], wp: Tensor, go: Tensor,
+                      gin: Optional[Tensor], goff: Optional[Tensor], gmsk: Optional[Tensor], budget: float,
+                      grouped: bool) -> None:
+    """grad_input's fp32 adds into gin, grad_offset into goff and grad_mask into gmsk (None: not needed) for the
+    chunk's images, through grad_col's rows (x and gin NHWC, or offset-grouped if grouped; off and msk as the
+    forward's; wp pack_weight's [1, kh·kw, Cin, Cout]; go channels-last [n, Cout, Ho, Wo])."""
+    n = x.shape[0]
+    kk, cin, cout = geo.kernel_h * geo.kernel_w, geo.in_channels, geo.out_channels
+    m = n * geo.out_h * geo.out_w
+    if m == 0:
+        return
+    go_rows = go.permute(0, 2, 3, 1).reshape(m, cout)
+    w_t = wp.reshape(kk * cin, cout).t()  # grad_col = grad_out @ Wpᵀ: columns in pack_weight's row order
+    rows = min(columns_rows(geo, n, x.element_size(), budget, row_elem=4), m)  # fp32 rows
+    needs = (gin is not None, goff is not None, gmsk is not None)
+    for m0 in range(0, m, rows):
+        r = min(rows, m - m0)
+        gcol = mm_fp32(go_rows if r == m else go_rows[m0:m0 + r], w_t)
+        tensors = (x, off, msk if msk is not None else off, gcol, gin if gin is not None else gcol,
+                   goff if goff is not None else off, gmsk if gmsk is not None else off)
+        _data_launch(geo, n, m, m0, r, msk is not None, grouped, needs, pointer_specs(tensors))(*tensors)
+
+
+def _data_launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool, needs: tuple,
+                 specs: tuple) -> Launch:
+    """The launch of grad_col's rows m0 .. m0 + r - 1, planned once per call signature."""
+    cache = options.cache("grad_columns")
+    key = (geo, n, m0, r, has_mask, grouped, needs, specs)
+    run = cache.get(key)
+    if run is None:
+        block_m, block_k, warps = GRAD_TILE  # block_m divides BLOCK_M, so buffers start at whole tiles of it
+        cog = geo.in_channels // geo.offset_groups
+        args = (geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, m, cog, geo.offset_groups,
+                *geo.stride, *geo.padding, *geo.dilation, m0 // block_m)
+        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=has_mask, GROUPED=grouped, NEED_GIN=needs[0],
+                    NEED_GOFF=needs[1],
+                    NEED_GMSK=needs[2], PAIRS_OUTER=codegen_profile().pair_axis_outer, BLOCK_M=block_m,
+                    BLOCK_K=min(block_k, next_pow2(max(cog, 1))), num_warps=warps)
+        grid = (ceil_div(r, block_m), geo.kernel_h * geo.kernel_w, geo.offset_groups)
+        run = remember(cache, key, Launch(_grad_columns_kernel, grid, args, meta))
+    return run
 
 
 def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool,
