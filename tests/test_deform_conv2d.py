@@ -554,6 +554,35 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
     assert finishes == ([(False, True)] if has_bias else []) if split == 1 else [(True, fused)]
 
 
+def _column_products(kernels, buffers, monkeypatch, forced, **route):
+    """Forces a column-buffer route (an options field) with buffers "one" (the defaults), "several" (one image a chunk,
+    one M tile of rows a buffer) or "unbounded" (an infinite workspace budget); returns the list that records the
+    shape of each cuBLAS product's first operand."""
+    forced(**route)
+    if buffers == "several":
+        forced(default_workspace_budget=0.0, min_chunk_programs=1)
+    if buffers == "unbounded":
+        forced(default_workspace_budget=float("inf"))
+    if buffers != "one":
+        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)
+    products = []
+    real = kernels.columns.mm_fp32
+    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
+    return products
+
+
+def _compare_column_route(backend, dtype, config, n, products):
+    """CONFIGS[config] with n images (9x9 for 3x3-pad1: 81 positions an image, 2 M tiles) against the oracle, every
+    gradient; the route took cuBLAS's products where it applies (one conv group, 16 bits: returned), else none."""
+    larger = dict(h=9, w=9) if config == "3x3-pad1" else {}
+    args, kwargs = make_case(**dict(CONFIGS[config], n=n, **larger), dtype=dtype,
+                             seed=zlib.crc32(config.encode()) % 991)
+    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32
+    assert bool(products) == uses
+    return uses
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("config", ["3x3-pad1", "stride2-dil2", "1x1-no-mask", "og4-packed-segments",
                                     "long-segment-partial-chunk", "groups2-og2"])
@@ -567,22 +596,8 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
     if buffers == "unbounded" and (config != "3x3-pad1" or dtype == torch.float32):
         pytest.skip("the infinite budget: one 16-bit layer")
     kernels = kernel_modules()
-    forced(columns_grad_weight=True)
-    if buffers == "several":
-        forced(default_workspace_budget=0.0, min_chunk_programs=1)  # one image a chunk
-        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)       # one M tile of rows a buffer
-    if buffers == "unbounded":
-        forced(default_workspace_budget=float("inf"))
-        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)
-    products = []
-    real = kernels.columns.mm_fp32
-    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
-    larger = dict(h=9, w=9) if config == "3x3-pad1" else {}  # 81 positions an image: 2 M tiles
-    args, kwargs = make_case(**dict(CONFIGS[config], n=3, **larger), dtype=dtype,
-                             seed=zlib.crc32(config.encode()) % 991)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
-    uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32  # else the fused kernel
-    assert bool(products) == uses
+    products = _column_products(kernels, buffers, monkeypatch, forced, columns_grad_weight=True)
+    uses = _compare_column_route(backend, dtype, config, 3, products)
     if config == "3x3-pad1" and uses:  # one product a call, or one per image and M tile
         assert len(products) == (3 * 2 if buffers == "several" else 1)
 
@@ -597,19 +612,8 @@ def test_grad_data_through_the_grad_col_buffer(backend, dtype, config, buffers, 
     batch in one-image chunks and one M tile of rows a buffer, the input read NHWC or offset-grouped (short
     segments); where it does not apply (conv groups, fp32) the fused kernel runs instead."""
     kernels = kernel_modules()
-    forced(columns_grad_data=True)
-    if buffers == "several":
-        forced(default_workspace_budget=0.0, min_chunk_programs=1)  # one image a chunk
-        monkeypatch.setattr(kernels.columns, "MIN_BUFFER", 0)       # one M tile of rows a buffer
-    products = []
-    real = kernels.columns.mm_fp32
-    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
-    larger = dict(h=9, w=9) if config == "3x3-pad1" else {}  # 81 positions an image: 2 M tiles
-    args, kwargs = make_case(**dict(CONFIGS[config], n=2, **larger), dtype=dtype,
-                             seed=zlib.crc32(config.encode()) % 983)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
-    uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32
-    assert bool(products) == uses
+    products = _column_products(kernels, buffers, monkeypatch, forced, columns_grad_data=True)
+    uses = _compare_column_route(backend, dtype, config, 2, products)
     if config == "3x3-pad1" and uses:  # one product of all 162 rows, or buffers of at most one M tile of rows
         assert sum(p[0] for p in products) == 2 * 81
         assert len(products) == 1 if buffers == "one" else max(p[0] for p in products) <= kernels.columns.BLOCK_M
@@ -643,10 +647,7 @@ def test_eager_grad_weight_keeps_the_fused_kernel(backend, dtype, cout, monkeypa
     """Unforced, an eager call's grad_weight takes the fused kernel at any width (the column buffer is the compile
     route's from columns.MIN_COUT output channels on: test_compile_route.py), and gives the oracle's gradients."""
     kernels = kernel_modules()
-    forced()
-    products = []
-    real = kernels.columns.mm_fp32
-    monkeypatch.setattr(kernels.columns, "mm_fp32", lambda a, b: products.append(a.shape) or real(a, b))
+    products = _column_products(kernels, "one", monkeypatch, forced)
     args, kwargs = make_case(n=2, cin=4, cout=cout, h=5, w=4, kh=3, kw=3, padding=1, dtype=dtype, seed=cout)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert not products

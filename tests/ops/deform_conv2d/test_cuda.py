@@ -129,29 +129,15 @@ def test_triton_matches_float64_reference(shape, dtype, layout):
             assert_close(g, r, dtype, f"grad_{name}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES[1:])  # 16-bit only (columns_usable)
+@pytest.mark.parametrize("dtype", DTYPES[1:])  # 16-bit only (columns_usable, grad_columns_usable)
 @pytest.mark.parametrize("shape", ["det-like", "wide-256", "og8-packed-segments", "5x5-cout-odd", "flat-tiles-tma"])
-def test_grad_weight_through_the_column_buffer(shape, dtype, forced):
-    """options.columns_grad_weight (columns.py: the sampled columns stored, then cuBLAS) against the float64
-    reference, every gradient, channels_last as a network runs it."""
-    forced(columns_grad_weight=True)
+@pytest.mark.parametrize("route", ["columns_grad_weight", "columns_grad_data", "both"])
+def test_gradients_through_the_column_buffers(shape, dtype, route, forced):
+    """options.columns_grad_weight (columns.py: the sampled columns stored, then cuBLAS), options.columns_grad_data
+    (grad_col from cuBLAS, then the grad_columns kernel's scatters and sums), and both, against the float64 reference,
+    every gradient, channels_last as a network runs it."""
+    forced(**{k: True for k in ("columns_grad_weight", "columns_grad_data") if route in (k, "both")})
     args, kwargs = _case(shape, dtype, seed=3, channels_last=True)
-    out, grads = _fwd_bwd(args, kwargs, "triton")
-    ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
-    assert_close(out, ref, dtype, "output")
-    for name, g, r in zip(NAMES, grads, ref_grads):
-        assert (g is None) == (r is None)
-        if r is not None:
-            assert_close(g, r, dtype, f"grad_{name}")
-
-
-@pytest.mark.parametrize("dtype", DTYPES[1:])  # 16-bit only (grad_columns_usable)
-@pytest.mark.parametrize("shape", ["det-like", "wide-256", "og8-packed-segments", "5x5-cout-odd", "flat-tiles-tma"])
-def test_grad_data_through_the_grad_col_buffer(shape, dtype, forced):
-    """options.columns_grad_data (columns.py: grad_col from cuBLAS, then the grad_columns kernel's scatters and sums)
-    against the float64 reference, every gradient, channels_last as a network runs it."""
-    forced(columns_grad_data=True)
-    args, kwargs = _case(shape, dtype, seed=7, channels_last=True)
     out, grads = _fwd_bwd(args, kwargs, "triton")
     ref, ref_grads = _fwd_bwd(args, kwargs, "reference", dtype=torch.float64)
     assert_close(out, ref, dtype, "output")

@@ -24,8 +24,8 @@ from ..common.sampling import (corner_pairs, mask_offset_grads, pair_sums, pair_
                                segment_channels)
 from .configs import Config
 from .geometry import count_m_tiles, go_resident, k_chunks_whole, per_image_tiles, segments_per_chunk
-from .tiles import (chunk_sample_points, grad_out_descriptor, grad_out_tile, grad_out_tma_ok, position_setup, tap_origin,
-                    weight_descriptor)
+from .tiles import (chunk_sample_points, grad_out_descriptor, grad_out_tile, grad_out_tma_ok, position_setup,
+                    segment_grads, store_point_grads, tap_origin, weight_descriptor)
 
 # --- kernel --------------------------------------------------------------------------------------------
 
@@ -193,28 +193,14 @@ def _deform_conv2d_bwd_data_kernel(
                         gcol = _grad_col(go_ptr, go_row, go_res, w_ptr, w_row + c0, k_ok, gc, m_valid, COUT_G, go_sc,
                                          pid_m, L, GO_RESIDENT, TMA, PER_IMAGE, DOT_PRECISION, BLOCK_M, BLOCK_N,
                                          BLOCK_K)
-                        g3 = tl.reshape(gcol, (BLOCK_M, 1, BLOCK_K))
                         # --- corner pairs, sums over channels, scatter ---
-                        if NEED_GMSK or NEED_GOFF:
-                            top, bottom = corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * CIN, CIN, PAIRS_OUTER, c_ok)
-                            a00, adx, ady, ady1 = pair_sums(g3, top, bottom)
-                            s00 += a00
-                            sdx += adx
-                            sdy += ady
-                            sdy1 += ady1
-                        if NEED_GIN:
-                            scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * CIN, CIN, scale, FIXED_GIN,
-                                          PAIRS_OUTER, c_ok)
+                        s00, sdx, sdy, sdy1 = segment_grads(
+                            x_ptr, gin_ptr, p00, cc, tl.reshape(gcol, (BLOCK_M, 1, BLOCK_K)), wt, wb, v00, v01, v10,
+                            v11, W * CIN, CIN, scale, s00, sdx, sdy, sdy1, NEED_GMSK or NEED_GOFF, NEED_GIN, FIXED_GIN,
+                            PAIRS_OUTER, c_ok)
                 # --- this (tap, offset group) is complete: store its offset and mask gradients ---
-                g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
-                done = m_valid[:, None]
-                if NEED_GOFF:
-                    gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
-                    tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
-                    tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
-                if NEED_GMSK:
-                    tl.store(gmsk_ptr + msk_row[:, None] + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty),
-                             mask=done)
+                store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv,
+                                  m_valid, NEED_GOFF, NEED_GMSK)
 
 
 # --- launcher ------------------------------------------------------------------------------------------

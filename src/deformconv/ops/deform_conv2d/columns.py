@@ -34,9 +34,8 @@ from ...checks import ConvGeometry
 from ...compat import codegen_profile, mm_fp32
 from ...config import options, tracing
 from ..common.launch import Launch, ceil_div, next_pow2, pointer_specs, remember
-from ..common.sampling import (bilinear_weights, blend, corner_pairs, load_corners, mask_offset_grads, pair_sums,
-                               pair_weights, sample_point, scatter_pairs)
-from .tiles import position_setup, tap_origin
+from ..common.sampling import bilinear_weights, blend, load_corners, pair_weights, sample_point
+from .tiles import position_setup, segment_grads, store_point_grads, tap_origin
 
 # --- config --------------------------------------------------------------------------------------------
 
@@ -139,27 +138,12 @@ def _grad_columns_kernel(
         k_ok = c0 + offs_k < COG
         g = tl.load(gcol_ptr + rows[:, None] + (og * COG + c0 + offs_k)[None, :], mask=m_valid[:, None] & k_ok[None, :],
                     other=0.0)
-        g3 = tl.reshape(g, (BLOCK_M, 1, BLOCK_K))
-        cc = (group0 + c0 + offs_k)[None, :]
-        c_ok = k_ok[None, :]
-        if NEED_GMSK or NEED_GOFF:
-            top, bottom = corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * PIX, PIX, PAIRS_OUTER, c_ok)
-            a00, adx, ady, ady1 = pair_sums(g3, top, bottom)
-            s00 += a00
-            sdx += adx
-            sdy += ady
-            sdy1 += ady1
-        if NEED_GIN:
-            scatter_pairs(gin_ptr, p00, cc, g3, wt, wb, v00, v01, v10, v11, W * PIX, PIX, 1.0, False, PAIRS_OUTER,
-                          c_ok)
-    g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
-    done = m_valid[:, None]
-    if NEED_GOFF:
-        gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
-        tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
-        tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
-    if NEED_GMSK:
-        tl.store(gmsk_ptr + msk_row[:, None] + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
+        s00, sdx, sdy, sdy1 = segment_grads(x_ptr, gin_ptr, p00, (group0 + c0 + offs_k)[None, :],
+                                            tl.reshape(g, (BLOCK_M, 1, BLOCK_K)), wt, wb, v00, v01, v10, v11, W * PIX,
+                                            PIX, 1.0, s00, sdx, sdy, sdy1, NEED_GMSK or NEED_GOFF, NEED_GIN, False,
+                                            PAIRS_OUTER, k_ok[None, :])
+    store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv, m_valid, NEED_GOFF,
+                      NEED_GMSK)
 
 
 # --- launcher ------------------------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from torch import Tensor
 
 from ...checks import ConvGeometry
 from ...compat import TensorDescriptor
-from ..common.sampling import corner_pairs, pair_weights, sample_point, segment_channels
+from ..common.sampling import (corner_pairs, mask_offset_grads, pair_sums, pair_weights, sample_point, scatter_pairs,
+                               segment_channels)
 
 # --- @triton.jit helpers -------------------------------------------------------------------------------
 
@@ -113,6 +114,40 @@ def packed_step(x_ptr, off_ptr, msk_ptr, off_row, msk_row, pix_base, y_out, x_ou
                                PAIRS_OUTER)
     wt, wb = pair_weights(ly, lx, mv)
     return wt, wb, top, bottom
+
+
+@triton.jit
+def segment_grads(x_ptr, gin_ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, s00, sdx, sdy, sdy1,
+                  NEED_SUMS: tl.constexpr, NEED_GIN: tl.constexpr, FIXED: tl.constexpr, PAIRS_OUTER: tl.constexpr,
+                  c_ok=None):
+    """One channel chunk of one segment's grad_col g [BM, 1, BK] (fp32): its pair_sums added to the running sums
+    (s00, sdx, sdy, sdy1) [BM, 1] that grad_offset and grad_mask are linear in (NEED_SUMS), and its scatter to the
+    4 corners of grad_input (NEED_GIN; fixed point if FIXED). Returns the sums."""
+    if NEED_SUMS:
+        top, bottom = corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, ROW, PIX, PAIRS_OUTER, c_ok)
+        a00, adx, ady, ady1 = pair_sums(g, top, bottom)
+        s00 += a00
+        sdx += adx
+        sdy += ady
+        sdy1 += ady1
+    if NEED_GIN:
+        scatter_pairs(gin_ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, PIX, scale, FIXED, PAIRS_OUTER, c_ok)
+    return s00, sdx, sdy, sdy1
+
+
+@triton.jit
+def store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv, m_valid,
+                      NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr):
+    """grad_offset and grad_mask of one (tap, offset group) [BM, 1] from segment_grads' sums, stored (NCHW, as the
+    offset and mask: each element owned by one program)."""
+    g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+    done = m_valid[:, None]
+    if NEED_GOFF:
+        gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
+        tl.store(goff_ptr + gy_row, g_y.to(goff_ptr.dtype.element_ty), mask=done)
+        tl.store(goff_ptr + gy_row + L, g_x.to(goff_ptr.dtype.element_ty), mask=done)
+    if NEED_GMSK:
+        tl.store(gmsk_ptr + msk_row[:, None] + ch.to(tl.int64) * L, g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
 
 
 @triton.jit
