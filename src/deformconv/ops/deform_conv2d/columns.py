@@ -1,12 +1,15 @@
-"""grad_weight through a column buffer: the sampled A stored by a kernel, then cuBLAS, instead of the fused kernel.
+"""The backward through column buffers and cuBLAS, instead of the fused kernels: grad_weight from the sampled A stored
+by a kernel, and (options.columns_grad_data) grad_input, grad_offset and grad_mask from grad_col's rows.
 
     grad_weight[k, n] = Σ_m A[m, k]·grad_out[m, n]      (one conv group; k = (tap, input channel))
+    grad_col[m, k]    = Σ_n grad_out[m, n]·W[k, n]
 
 Shapes (groups = 1):
     input     [N, H, W, Cin]       NHWC (the backward's copy, or a channels_last input), or offset-grouped
                                    [N, G, H, W, Cin/G] where the backward reads it so (geometry.grouped_input)
     offset, mask                   as the forward's (forward.py)
     cols      [R, kh·kw·Cin]       A's rows m0 .. m0 + R - 1, in the input's dtype; columns in pack_weight's row order
+    gcol      [R, kh·kw·Cin]       grad_col's rows m0 .. m0 + R - 1, fp32; columns as A's
     grad_out  [M, Cout]            channels-last rows
     result    [1, 1, kh·kw, Cin, Cout] fp32: finish_grads' partial layout
 
@@ -51,7 +54,7 @@ MIN_BUFFER = 64 << 20  # bytes of A at least allowed at once (else workspace_bud
 MIN_COUT = 128
 
 
-# --- kernel --------------------------------------------------------------------------------------------
+# --- kernels -------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -146,7 +149,7 @@ def _grad_columns_kernel(
                       NEED_GMSK)
 
 
-# --- launcher ------------------------------------------------------------------------------------------
+# --- launchers -----------------------------------------------------------------------------------------
 
 
 def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
