@@ -26,7 +26,7 @@ grad_offset and grad_mask, as the fused grad_input kernel does after its own pro
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
@@ -153,22 +153,26 @@ def _grad_columns_kernel(
 
 
 def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_weight takes the column buffer: one conv group, 16-bit inputs (fp32's products would follow
-    cuBLAS's TF32 switch, not cuDNN's as the kernels do), not in deterministic mode (cuBLAS's sums need its own
-    deterministic workspace setting there), and traced for the compile route with at least MIN_COUT output channels;
-    or wherever usable with options.columns_grad_weight True (False: never)."""
-    usable = geo.groups == 1 and dtype in (torch.float16, torch.bfloat16) and not fixed
+    """Whether grad_weight takes the column buffer: where the buffers apply (_buffers_apply), traced for the compile
+    route with at least MIN_COUT output channels; or wherever they apply with options.columns_grad_weight True
+    (False: never)."""
+    if not _buffers_apply(geo, dtype, fixed):
+        return False
     if options.columns_grad_weight is not None:
-        return usable and bool(options.columns_grad_weight)
-    return usable and tracing() and geo.out_channels >= MIN_COUT
+        return bool(options.columns_grad_weight)
+    return tracing() and geo.out_channels >= MIN_COUT
 
 
 def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: options.columns_grad_data, one conv
-    group, 16-bit inputs (as columns_usable), and not in deterministic mode (its fixed-point sums are the fused
-    kernel's)."""
-    return (bool(options.columns_grad_data) and geo.groups == 1 and dtype in (torch.float16, torch.bfloat16)
-            and not fixed)
+    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: options.columns_grad_data, where the
+    buffers apply as for grad_weight (deterministic mode's fixed-point sums are the fused kernel's)."""
+    return bool(options.columns_grad_data) and _buffers_apply(geo, dtype, fixed)
+
+
+def _buffers_apply(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+    """One conv group, 16-bit inputs (fp32's products would follow cuBLAS's TF32 switch, not cuDNN's as the kernels
+    do), not in deterministic mode (cuBLAS's sums need its own deterministic workspace setting there)."""
+    return geo.groups == 1 and dtype in (torch.float16, torch.bfloat16) and not fixed
 
 
 def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float, row_elem: Optional[int] = None) -> int:
@@ -231,36 +235,34 @@ def columns_grad_data(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[T
 def _data_launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool, needs: tuple,
                  specs: tuple) -> Launch:
     """The launch of grad_col's rows m0 .. m0 + r - 1, planned once per call signature."""
-    cache = options.cache("grad_columns")
-    key = (geo, n, m0, r, has_mask, grouped, needs, specs)
-    run = cache.get(key)
-    if run is None:
-        block_m, block_k, warps = GRAD_TILE  # block_m divides BLOCK_M, so buffers start at whole tiles of it
-        cog = geo.in_channels // geo.offset_groups
-        args = (geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, m, cog, geo.offset_groups,
-                *geo.stride, *geo.padding, *geo.dilation, m0 // block_m)
-        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=has_mask, GROUPED=grouped, NEED_GIN=needs[0],
-                    NEED_GOFF=needs[1],
-                    NEED_GMSK=needs[2], PAIRS_OUTER=codegen_profile().pair_axis_outer, BLOCK_M=block_m,
-                    BLOCK_K=min(block_k, next_pow2(max(cog, 1))), num_warps=warps)
-        grid = (ceil_div(r, block_m), geo.kernel_h * geo.kernel_w, geo.offset_groups)
-        run = remember(cache, key, Launch(_grad_columns_kernel, grid, args, meta))
-    return run
+    return _buffer_launch(_grad_columns_kernel, "grad_columns", (geo, n, m0, r, has_mask, grouped, needs, specs), geo,
+                          m, m0, r, GRAD_TILE, lambda: dict(
+                              HAS_MASK=has_mask, GROUPED=grouped, NEED_GIN=needs[0], NEED_GOFF=needs[1],
+                              NEED_GMSK=needs[2], PAIRS_OUTER=codegen_profile().pair_axis_outer))
 
 
 def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool,
             specs: tuple) -> Launch:
-    """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature (specs: its tensors'
-    pointer_specs, which Triton specialises on)."""
-    cache = options.cache("columns")
-    key = (geo, n, m0, r, has_mask, grouped, specs)
-    run = cache.get(key)
+    """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature."""
+    return _buffer_launch(_columns_kernel, "columns", (geo, n, m0, r, has_mask, grouped, specs), geo, m, m0, r,
+                          (BLOCK_M, MAX_BLOCK_K, WARPS), lambda: dict(HAS_MASK=has_mask, GROUPED=grouped))
+
+
+def _buffer_launch(kernel, cache: str, key: tuple, geo: ConvGeometry, m: int, m0: int, r: int,
+                   tile: Tuple[int, int, int], kernel_meta: Callable[[], dict]) -> Launch:
+    """A kernel's launch over a buffer's rows m0 .. m0 + r - 1 (grid: their M tiles, taps, offset groups), kept in the
+    named cache under key (the call signature with its tensors' pointer_specs, which Triton specialises on). tile:
+    (positions, channels a step, warps); the positions divide BLOCK_M, so a buffer starts at a whole tile.
+    kernel_meta: the kernel's own meta-parameters, worked out only when the key is new."""
+    runs = options.cache(cache)
+    run = runs.get(key)
     if run is None:
+        block_m, block_k, warps = tile
         cog = geo.in_channels // geo.offset_groups
         args = (geo.height, geo.width, geo.in_channels, geo.out_h, geo.out_w, m, cog, geo.offset_groups,
-                *geo.stride, *geo.padding, *geo.dilation, m0 // BLOCK_M)
-        meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, HAS_MASK=has_mask, GROUPED=grouped, BLOCK_M=BLOCK_M,
-                    BLOCK_K=min(MAX_BLOCK_K, next_pow2(max(cog, 1))), num_warps=WARPS)
-        grid = (ceil_div(r, BLOCK_M), geo.kernel_h * geo.kernel_w, geo.offset_groups)
-        run = remember(cache, key, Launch(_columns_kernel, grid, args, meta))
+                *geo.stride, *geo.padding, *geo.dilation, m0 // block_m)
+        meta = dict(kernel_meta(), KH=geo.kernel_h, KW=geo.kernel_w, BLOCK_M=block_m,
+                    BLOCK_K=min(block_k, next_pow2(max(cog, 1))), num_warps=warps)
+        grid = (ceil_div(r, block_m), geo.kernel_h * geo.kernel_w, geo.offset_groups)
+        run = remember(runs, key, Launch(kernel, grid, args, meta))
     return run
