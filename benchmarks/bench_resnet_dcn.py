@@ -196,6 +196,23 @@ def layer_times(case, dtype, log):
     return rows
 
 
+def add_route_args(ap: argparse.ArgumentParser) -> None:
+    """The backward's column routes (ops/deform_conv2d/columns.py) as command-line switches."""
+    ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
+                    "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
+    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
+                    "cuBLAS's grad_col rows (options.columns_grad_data)")
+
+
+def apply_route_args(args: argparse.Namespace) -> None:
+    """Sets the options that add_route_args' switches ask for, for the rest of the process."""
+    from deformconv.config import options
+
+    if args.columns_grad_weight:
+        options.columns_grad_weight = args.columns_grad_weight == "on"
+    options.columns_grad_data = args.columns_grad_data
+
+
 def main(argv=None):
     from deformconv.benchmark import environment, write_results
 
@@ -205,20 +222,10 @@ def main(argv=None):
     ap.add_argument("--nets", nargs="+", default=["plain", "deformconv", "torchvision"])
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
     ap.add_argument("--layers", action="store_true")
-    ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
-                    "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
     ap.add_argument("--out")
-    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
-                    "cuBLAS's grad_col rows (options.columns_grad_data: ops/deform_conv2d/columns.py)")
+    add_route_args(ap)
     args = ap.parse_args(argv)
-    if args.columns_grad_data:
-        from deformconv.config import options
-
-        options.columns_grad_data = True
-    if args.columns_grad_weight:
-        from deformconv.config import options
-
-        options.columns_grad_weight = args.columns_grad_weight == "on"
+    apply_route_args(args)
     base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     records, layers = [], []

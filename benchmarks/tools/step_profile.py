@@ -68,7 +68,7 @@ def profile_step(kind, base, case, dtype, mode, steps, rows, which="train"):
 
 
 def main(argv=None):
-    from bench_resnet_dcn import resnet50_base
+    from bench_resnet_dcn import add_route_args, apply_route_args, resnet50_base
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", default="b32-224:bfloat16", help="case:dtype, as bench_resnet_dcn.py's --cases")
@@ -77,19 +77,9 @@ def main(argv=None):
     ap.add_argument("--steps-of", nargs="+", default=["train"], choices=["train", "infer"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
-                    "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
-    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
-                    "cuBLAS's grad_col rows (options.columns_grad_data: ops/deform_conv2d/columns.py)")
+    add_route_args(ap)
     args = ap.parse_args(argv)
-    if args.columns_grad_data:
-        from deformconv.config import options
-
-        options.columns_grad_data = True
-    if args.columns_grad_weight:
-        from deformconv.config import options
-
-        options.columns_grad_weight = args.columns_grad_weight == "on"
+    apply_route_args(args)
     base = resnet50_base()
     case, dt = args.case.split(":")
     for which in args.steps_of:
