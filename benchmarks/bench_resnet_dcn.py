@@ -9,7 +9,9 @@ resolution, backward, SGD step) and an inference forward, each the median wall t
 steps (synchronised each step: what a training loop sees, host included), and the peak memory of a step. --layers
 adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN layer shape of the network, against
 cuDNN's plain convolution and torchvision's eager call. Compiled modes take the op as DEFORMCONV_COMPILE_KERNELS says
-(`1`: decomposed into its kernels; each record says which).
+(`1`: decomposed into its kernels; each record says which), with torch's compile caches off unless --warm-caches: the
+compile time is then a cold one, and no graph traced under other deformconv options is served (the caches key on the
+kernels' source, not on the options that chose them; docs/design.md).
 """
 
 from __future__ import annotations
@@ -200,8 +202,9 @@ def add_route_args(ap: argparse.ArgumentParser) -> None:
     """The backward's column routes (ops/deform_conv2d/columns.py) as command-line switches."""
     ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
                     "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
-    ap.add_argument("--columns-grad-data", action="store_true", help="grad_input, grad_offset and grad_mask through "
-                    "cuBLAS's grad_col rows (options.columns_grad_data)")
+    ap.add_argument("--columns-grad-data", choices=["on", "off"], help="grad_input, grad_offset and grad_mask through "
+                    "cuBLAS's grad_col rows wherever usable, or never (options.columns_grad_data; unset: "
+                    "columns.grad_columns_usable's rule)")
 
 
 def apply_route_args(args: argparse.Namespace) -> None:
@@ -210,7 +213,8 @@ def apply_route_args(args: argparse.Namespace) -> None:
 
     if args.columns_grad_weight:
         options.columns_grad_weight = args.columns_grad_weight == "on"
-    options.columns_grad_data = args.columns_grad_data
+    if args.columns_grad_data:
+        options.columns_grad_data = args.columns_grad_data == "on"
 
 
 def main(argv=None):
@@ -223,9 +227,13 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
     ap.add_argument("--layers", action="store_true")
     ap.add_argument("--out")
+    ap.add_argument("--warm-caches", action="store_true", help="compiled modes may take graphs from torch's compile "
+                    "caches")
     add_route_args(ap)
     args = ap.parse_args(argv)
     apply_route_args(args)
+    if not args.warm_caches:
+        torch.compiler.config.force_disable_caches = True
     base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     records, layers = [], []
@@ -252,7 +260,7 @@ def main(argv=None):
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
         env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight,
-                   columns_grad_data=args.columns_grad_data)
+                   columns_grad_data=args.columns_grad_data, compile_caches=args.warm_caches)
         write_results(args.out, env, records, layers=layers)
 
 

@@ -23,8 +23,9 @@ SHAPES = {
     "5x5-no-mask": (2, 16, 24, 15, 19, 5, 1, 1, 1, 2, False),
     "og8-packed": (2, 64, 64, 14, 15, 3, 1, 8, 1, 1, True),
 }
-# at columns.MIN_COUT output channels: grad_weight through the column buffer by default in 16 bits
-WIDE = {"cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, True)}
+# at columns.MIN_COUT output channels grad_weight, at columns.MIN_CIN_GRAD_COL input channels grad_input/offset/mask,
+# through the column buffers by default in 16 bits
+WIDE = {"cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, True), "cin-512": (2, 512, 16, 5, 7, 3, 1, 1, 1, 1, True)}
 DTYPES = ("float32", "float16", "bfloat16")
 MAIN_KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
 
@@ -117,7 +118,8 @@ def _child() -> dict:
     with options.override(columns_grad_weight=True):
         results["columns"] = _trace("odd-s2", "bfloat16")
     for dtype in ("bfloat16", "float32"):
-        results[f"cout-128:{dtype}"] = _trace("cout-128", dtype)
+        for name in WIDE:
+            results[f"{name}:{dtype}"] = _trace(name, dtype)
     with options.override(columns_grad_data=True):
         results["grad-columns"] = _trace("odd-s2", "bfloat16")
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
@@ -186,6 +188,21 @@ def test_grad_weight_takes_the_column_buffer_by_default_when_compiled(traces, dt
     assert ("_deform_conv2d_bwd_weight_kernel" in t["launched"]) != columns, t["launched"]
     assert not t["opaque"], t["opaque"]
     assert t["traced"] == t["promised"]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_grad_data_takes_the_grad_col_buffer_by_default_when_compiled(traces, dtype):
+    """Unforced, at columns.MIN_CIN_GRAD_COL input channels the compile route's grad_input, grad_offset and grad_mask
+    come from the grad_columns kernel in 16 bits, and from the fused kernel in fp32; grad_weight from the fused kernel
+    (16 output channels); outputs as promised either way."""
+    t = traces[f"cin-512:{dtype}"]
+    columns = dtype == "bfloat16"
+    assert ("_grad_columns_kernel" in t["launched"]) == columns, t["launched"]
+    assert ("_deform_conv2d_bwd_data_kernel" in t["launched"]) != columns, t["launched"]
+    assert "_deform_conv2d_bwd_weight_kernel" in t["launched"] and "_columns_kernel" not in t["launched"]
+    assert not t["opaque"], t["opaque"]
+    assert t["traced"] == t["promised"]
+    assert not any(launch["writes_inputs"] for launch in t["stores"]), t["stores"]
 
 
 def test_grad_data_through_the_grad_col_buffer_traces(traces):

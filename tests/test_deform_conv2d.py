@@ -642,13 +642,14 @@ def test_grad_data_through_the_grad_col_buffer_computes_what_is_asked(backend, d
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("cout", [128])
-def test_eager_grad_weight_keeps_the_fused_kernel(backend, dtype, cout, monkeypatch, forced):
-    """Unforced, an eager call's grad_weight takes the fused kernel at any width (the column buffer is the compile
-    route's from columns.MIN_COUT output channels on: test_compile_route.py), and gives the oracle's gradients."""
+def test_eager_backward_keeps_the_fused_kernels(backend, dtype, monkeypatch, forced):
+    """Unforced, an eager call's backward takes the fused kernels at any width (the column buffers are the compile
+    route's from columns.MIN_COUT output and columns.MIN_CIN_GRAD_COL input channels on: test_compile_route.py), and
+    gives the oracle's gradients."""
     kernels = kernel_modules()
     products = _column_products(kernels, "one", monkeypatch, forced)
-    args, kwargs = make_case(n=2, cin=4, cout=cout, h=5, w=4, kh=3, kw=3, padding=1, dtype=dtype, seed=cout)
+    cin, cout = kernels.columns.MIN_CIN_GRAD_COL, kernels.columns.MIN_COUT
+    args, kwargs = make_case(n=2, cin=cin, cout=cout, h=5, w=4, kh=3, kw=3, padding=1, dtype=dtype, seed=cout)
     _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert not products
 

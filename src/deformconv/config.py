@@ -160,7 +160,8 @@ class Options:
     go_resident: Optional[bool] = None
     columns_grad_weight: Optional[bool] = None  # grad_weight through a column buffer and cuBLAS (True: wherever
                                                 # usable; None: where columns.columns_usable's rule takes it)
-    columns_grad_data: bool = False  # grad_input/offset/mask through cuBLAS's grad_col rows (columns.py; untimed)
+    columns_grad_data: Optional[bool] = None  # grad_input/offset/mask through cuBLAS's grad_col rows (True: wherever
+                                              # usable; None: where columns.grad_columns_usable's rule takes it)
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     preload_points: Optional[bool] = None  # a row's point parameters loaded for all its points first (None: where
                                            # they fit 16 columns; common/launch.py: preload_points)

@@ -1,5 +1,5 @@
 """The backward through column buffers and cuBLAS, instead of the fused kernels: grad_weight from the sampled A stored
-by a kernel, and (options.columns_grad_data) grad_input, grad_offset and grad_mask from grad_col's rows.
+by a kernel, and grad_input, grad_offset and grad_mask from grad_col's rows.
 
     grad_weight[k, n] = Σ_m A[m, k]·grad_out[m, n]      (one conv group; k = (tap, input channel))
     grad_col[m, k]    = Σ_n grad_out[m, n]·W[k, n]
@@ -18,9 +18,10 @@ once and the product runs at cuBLAS's speed, for the price of writing and readin
 stride 1. A is built R rows at a time (columns_rows bounds its memory). The compile route takes it from MIN_COUT
 output channels on (columns_usable); docs/tuning.md has the measurements.
 
-The same buffer the other way (options.columns_grad_data, off): grad_col = grad_out @ Wᵀ by cuBLAS into fp32 rows
-[R, kh·kw·Cin], then a kernel that reads them and samples the corners again, scatters grad_col to grad_input and sums
-grad_offset and grad_mask, as the fused grad_input kernel does after its own product (backward_data.py).
+The same buffer the other way: grad_col = grad_out @ Wᵀ by cuBLAS into fp32 rows [R, kh·kw·Cin], then a kernel that
+reads them and samples the corners again, scatters grad_col to grad_input and sums grad_offset and grad_mask, as the
+fused grad_input kernel does after its own product (backward_data.py). The compile route takes it from MIN_CIN_GRAD_COL
+input channels on (grad_columns_usable).
 """
 
 from __future__ import annotations
@@ -52,6 +53,12 @@ MIN_BUFFER = 64 << 20  # bytes of A at least allowed at once (else workspace_bud
 # product runs on cuBLAS. With fewer output channels the product is small against A's round trip through memory. An
 # eager call keeps the fused kernel: there it runs beside the grad_input kernel on a side stream, in fewer launches.
 MIN_COUT = 128
+# Under the compile route, from this many input channels on, grad_input, grad_offset and grad_mask take grad_col's rows:
+# the fused grad_input kernel's product is then long against its sampling and scatter, and it is latency-bound (its
+# registers leave one program an SM quadrant), while cuBLAS runs the product at full speed. With fewer input channels
+# the fp32 rows' round trip through memory costs more than the product saves. An eager call keeps the fused kernel,
+# which there runs beside the grad_weight kernel on a side stream.
+MIN_CIN_GRAD_COL = 512
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -164,9 +171,14 @@ def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
 
 
 def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: options.columns_grad_data, where the
-    buffers apply as for grad_weight (deterministic mode's fixed-point sums are the fused kernel's)."""
-    return bool(options.columns_grad_data) and _buffers_apply(geo, dtype, fixed)
+    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: where the buffers apply as for
+    grad_weight (deterministic mode's fixed-point sums are the fused kernel's), traced for the compile route with at
+    least MIN_CIN_GRAD_COL input channels; or wherever they apply with options.columns_grad_data True (False: never)."""
+    if not _buffers_apply(geo, dtype, fixed):
+        return False
+    if options.columns_grad_data is not None:
+        return bool(options.columns_grad_data)
+    return tracing() and geo.in_channels >= MIN_CIN_GRAD_COL
 
 
 def _buffers_apply(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
