@@ -42,7 +42,7 @@ def profile_step(kind, base, case, dtype, mode, steps, rows, which="train"):
     net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
     net.train(which == "train")  # as bench_resnet_dcn.py times them
     step = train_step if which == "train" else infer_step
-    wall, _ = timed(step, steps=20, warmup=5)  # bench_resnet_dcn.py's timer: synchronised steps, median ms
+    wall = timed(step, steps=20, warmup=5)[0]  # bench_resnet_dcn.py's timer: synchronised steps, median ms
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
