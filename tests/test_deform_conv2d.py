@@ -595,6 +595,8 @@ def test_grad_weight_through_the_column_buffer(backend, dtype, config, buffers, 
     budget (one buffer; 16 bits, one layer); conv groups and fp32 (which keep the fused kernel) too."""
     if buffers == "unbounded" and (config != "3x3-pad1" or dtype == torch.float32):
         pytest.skip("the infinite budget: one 16-bit layer")
+    if buffers == "several" and (config == "groups2-og2" or dtype == torch.float32):
+        pytest.skip("the route does not apply: the buffers' bounds do not matter")
     kernels = kernel_modules()
     products = _column_products(kernels, buffers, monkeypatch, forced, columns_grad_weight=True)
     uses = _compare_column_route(backend, dtype, config, 3, products)
