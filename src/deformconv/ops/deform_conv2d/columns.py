@@ -160,25 +160,25 @@ def _grad_columns_kernel(
 
 
 def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_weight takes the column buffer: where the buffers apply (_buffers_apply), traced for the compile
-    route with at least MIN_COUT output channels; or wherever they apply with options.columns_grad_weight True
-    (False: never)."""
-    if not _buffers_apply(geo, dtype, fixed):
-        return False
-    if options.columns_grad_weight is not None:
-        return bool(options.columns_grad_weight)
-    return tracing() and geo.out_channels >= MIN_COUT
+    """Whether grad_weight takes the column buffer: at least MIN_COUT output channels (_route_taken, forced by
+    options.columns_grad_weight)."""
+    return _route_taken(geo, dtype, fixed, options.columns_grad_weight, geo.out_channels >= MIN_COUT)
 
 
 def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
-    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: where the buffers apply as for
-    grad_weight (deterministic mode's fixed-point sums are the fused kernel's), traced for the compile route with at
-    least MIN_CIN_GRAD_COL input channels; or wherever they apply with options.columns_grad_data True (False: never)."""
+    """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: at least MIN_CIN_GRAD_COL input channels
+    (_route_taken, forced by options.columns_grad_data)."""
+    return _route_taken(geo, dtype, fixed, options.columns_grad_data, geo.in_channels >= MIN_CIN_GRAD_COL)
+
+
+def _route_taken(geo: ConvGeometry, dtype: torch.dtype, fixed: bool, forced: Optional[bool], wide: bool) -> bool:
+    """A column route's rule: where the buffers apply (_buffers_apply), traced for the compile route where the layer is
+    wide enough for it; or, forced by its options field, wherever they apply (True) or never (False)."""
     if not _buffers_apply(geo, dtype, fixed):
         return False
-    if options.columns_grad_data is not None:
-        return bool(options.columns_grad_data)
-    return tracing() and geo.in_channels >= MIN_CIN_GRAD_COL
+    if forced is not None:
+        return bool(forced)
+    return tracing() and wide
 
 
 def _buffers_apply(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
