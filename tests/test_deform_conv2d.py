@@ -643,6 +643,32 @@ def test_grad_data_through_the_grad_col_buffer_computes_what_is_asked(backend, d
         assert_close(ours, ref, dtype, f"grad_{k}")
 
 
+@pytest.mark.parametrize("backend,dtype", [p for p in TRITON_BACKENDS if p.values[1] != torch.float32])
+@pytest.mark.parametrize("wrt", [("offset", "weight", "mask"), ("input", "weight")], ids=["no-grad-input", "all"])
+def test_column_routes_stay_off_in_deterministic_mode(backend, dtype, wrt, monkeypatch, forced):
+    """Both column routes forced, in deterministic mode: the fused kernels run (cuBLAS's products would need
+    CUBLAS_WORKSPACE_CONFIG there), also where grad_input, and with it the fixed-point accumulator, is not asked for;
+    the gradients asked for equal the oracle's."""
+    kernels = kernel_modules()
+    products = _column_products(kernels, "one", monkeypatch, forced, columns_grad_weight=True, columns_grad_data=True)
+    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=307)
+    leaves = {k: v.detach().requires_grad_(k in wrt) for k, v in zip(GRAD_NAMES, _with_grad(args, kwargs, dtype))}
+    leaves64 = {k: v.detach().double().requires_grad_(k in wrt) for k, v in leaves.items()}
+    g = torch.Generator().manual_seed(5)
+    grads = {}
+    for name, ls, fn in (("ours", leaves, lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend)),
+                         ("oracle", leaves64, naive_deform_conv2d)):
+        with _deterministic(name == "ours"):
+            out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
+                     padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
+            if name == "ours":
+                gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+            grads[name] = torch.autograd.grad(out, [ls[k] for k in wrt], gout.to(out.dtype))
+    for k, ours, ref in zip(wrt, grads["ours"], grads["oracle"]):
+        assert_close(ours, ref, dtype, f"grad_{k}")
+    assert not products
+
+
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 def test_eager_backward_keeps_the_fused_kernels(backend, dtype, monkeypatch, forced):
     """Unforced, an eager call's backward takes the fused kernels at any width (the column buffers are the compile

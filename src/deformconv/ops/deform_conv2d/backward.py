@@ -209,7 +209,9 @@ def _backward_chunk(
 
     # --- grad_weight's config (the first call; any timing of candidates runs here), unless it takes the column
     # buffer (columns.py) ---
-    columns = need_w and columns_usable(geo, dtype, fixed_gin)
+    # not in deterministic mode, whether or not grad_input's fixed-point sums are asked for (columns._buffers_apply)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    columns = need_w and columns_usable(geo, dtype, deterministic)
     weight_kernel = need_w and not columns
     weight_cfg: Optional[Config] = None
     if weight_kernel and plan.weight is None:
@@ -269,7 +271,7 @@ def _backward_chunk(
             gmsk = grad_mask if need_mask else off
             scale = scales[0] if fixed_gin else off
             operands = (x, off, msk, wp, go, acc, goff, gmsk, scale)
-            if grad_columns_usable(geo, dtype, fixed_gin):
+            if grad_columns_usable(geo, dtype, deterministic):
                 columns_grad_data(geo, x, off, msk if mask is not None else None, wp, go, gin, grad_off, grad_mask,
                                   workspace_budget(), plan.meta["GROUPED"])
             elif plan.data is None:

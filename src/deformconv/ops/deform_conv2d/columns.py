@@ -159,32 +159,34 @@ def _grad_columns_kernel(
 # --- launchers -----------------------------------------------------------------------------------------
 
 
-def columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+def columns_usable(geo: ConvGeometry, dtype: torch.dtype, deterministic: bool) -> bool:
     """Whether grad_weight takes the column buffer: at least MIN_COUT output channels (_route_taken, forced by
     options.columns_grad_weight)."""
-    return _route_taken(geo, dtype, fixed, options.columns_grad_weight, geo.out_channels >= MIN_COUT)
+    return _route_taken(geo, dtype, deterministic, options.columns_grad_weight, geo.out_channels >= MIN_COUT)
 
 
-def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+def grad_columns_usable(geo: ConvGeometry, dtype: torch.dtype, deterministic: bool) -> bool:
     """Whether grad_input, grad_offset and grad_mask take the grad_col buffer: at least MIN_CIN_GRAD_COL input channels
     (_route_taken, forced by options.columns_grad_data)."""
-    return _route_taken(geo, dtype, fixed, options.columns_grad_data, geo.in_channels >= MIN_CIN_GRAD_COL)
+    return _route_taken(geo, dtype, deterministic, options.columns_grad_data, geo.in_channels >= MIN_CIN_GRAD_COL)
 
 
-def _route_taken(geo: ConvGeometry, dtype: torch.dtype, fixed: bool, forced: Optional[bool], wide: bool) -> bool:
+def _route_taken(geo: ConvGeometry, dtype: torch.dtype, deterministic: bool, forced: Optional[bool],
+                 wide: bool) -> bool:
     """A column route's rule: where the buffers apply (_buffers_apply), traced for the compile route where the layer is
     wide enough for it; or, forced by its options field, wherever they apply (True) or never (False)."""
-    if not _buffers_apply(geo, dtype, fixed):
+    if not _buffers_apply(geo, dtype, deterministic):
         return False
     if forced is not None:
         return bool(forced)
     return tracing() and wide
 
 
-def _buffers_apply(geo: ConvGeometry, dtype: torch.dtype, fixed: bool) -> bool:
+def _buffers_apply(geo: ConvGeometry, dtype: torch.dtype, deterministic: bool) -> bool:
     """One conv group, 16-bit inputs (fp32's products would follow cuBLAS's TF32 switch, not cuDNN's as the kernels
-    do), not in deterministic mode (cuBLAS's sums need its own deterministic workspace setting there)."""
-    return geo.groups == 1 and dtype in (torch.float16, torch.bfloat16) and not fixed
+    do), not in deterministic mode (torch.use_deterministic_algorithms: cuBLAS's products then need its own
+    deterministic workspace setting, CUBLAS_WORKSPACE_CONFIG, and fail without it), whatever gradients are asked for."""
+    return geo.groups == 1 and dtype in (torch.float16, torch.bfloat16) and not deterministic
 
 
 def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float, row_elem: Optional[int] = None) -> int:
