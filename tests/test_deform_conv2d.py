@@ -621,26 +621,33 @@ def test_grad_data_through_the_grad_col_buffer(backend, dtype, config, buffers, 
         assert len(products) == 1 if buffers == "one" else max(p[0] for p in products) <= kernels.columns.BLOCK_M
 
 
-@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
-@pytest.mark.parametrize("wrt", [("offset", "mask"), ("input",)], ids=["offset-mask-only", "input-only"])
-def test_grad_data_through_the_grad_col_buffer_computes_what_is_asked(backend, dtype, wrt, forced):
-    """options.columns_grad_data with only some of grad_input, grad_offset and grad_mask asked for (only those leaves
-    require grad, so the backward's needs leave the others out): those equal the oracle's."""
-    forced(columns_grad_data=True)
-    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=211)
+def _compare_grads_wrt(backend, dtype, wrt, seed, deterministic=False):
+    """3x3-pad1 with only the leaves named in wrt requiring grad (so the backward's needs leave the others out): their
+    gradients, ours (in deterministic mode if asked) against the oracle's."""
+    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=seed)
     leaves = {k: v.detach().requires_grad_(k in wrt) for k, v in zip(GRAD_NAMES, _with_grad(args, kwargs, dtype))}
     leaves64 = {k: v.detach().double().requires_grad_(k in wrt) for k, v in leaves.items()}
     g = torch.Generator().manual_seed(3)
     grads = {}
     for name, ls, fn in (("ours", leaves, lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend)),
                          ("oracle", leaves64, naive_deform_conv2d)):
-        out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
-                 padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
-        if name == "ours":
-            gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-        grads[name] = torch.autograd.grad(out, [ls[k] for k in wrt], gout.to(out.dtype))
+        with _deterministic(deterministic and name == "ours"):
+            out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
+                     padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
+            if name == "ours":
+                gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
+            grads[name] = torch.autograd.grad(out, [ls[k] for k in wrt], gout.to(out.dtype))
     for k, ours, ref in zip(wrt, grads["ours"], grads["oracle"]):
         assert_close(ours, ref, dtype, f"grad_{k}")
+
+
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+@pytest.mark.parametrize("wrt", [("offset", "mask"), ("input",)], ids=["offset-mask-only", "input-only"])
+def test_grad_data_through_the_grad_col_buffer_computes_what_is_asked(backend, dtype, wrt, forced):
+    """options.columns_grad_data with only some of grad_input, grad_offset and grad_mask asked for (only those leaves
+    require grad, so the backward's needs leave the others out): those equal the oracle's."""
+    forced(columns_grad_data=True)
+    _compare_grads_wrt(backend, dtype, wrt, seed=211)
 
 
 @pytest.mark.parametrize("backend,dtype", [p for p in TRITON_BACKENDS if p.values[1] != torch.float32])
@@ -651,21 +658,7 @@ def test_column_routes_stay_off_in_deterministic_mode(backend, dtype, wrt, monke
     the gradients asked for equal the oracle's."""
     kernels = kernel_modules()
     products = _column_products(kernels, "one", monkeypatch, forced, columns_grad_weight=True, columns_grad_data=True)
-    args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=307)
-    leaves = {k: v.detach().requires_grad_(k in wrt) for k, v in zip(GRAD_NAMES, _with_grad(args, kwargs, dtype))}
-    leaves64 = {k: v.detach().double().requires_grad_(k in wrt) for k, v in leaves.items()}
-    g = torch.Generator().manual_seed(5)
-    grads = {}
-    for name, ls, fn in (("ours", leaves, lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend)),
-                         ("oracle", leaves64, naive_deform_conv2d)):
-        with _deterministic(name == "ours"):
-            out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
-                     padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
-            if name == "ours":
-                gout = torch.randn(out.shape, generator=g, dtype=torch.float64)
-            grads[name] = torch.autograd.grad(out, [ls[k] for k in wrt], gout.to(out.dtype))
-    for k, ours, ref in zip(wrt, grads["ours"], grads["oracle"]):
-        assert_close(ours, ref, dtype, f"grad_{k}")
+    _compare_grads_wrt(backend, dtype, wrt, seed=307, deterministic=True)
     assert not products
 
 
