@@ -68,15 +68,17 @@ def build(kind: str, base: nn.Module) -> nn.Module:
 
 
 def timed(step, steps=30, warmup=10):
-    """(median ms of synchronised steps, peak MiB allocated in them, peak MiB reserved in them). Under CUDA graphs
-    (mode="reduce-overhead") a step's tensors live in the graphs' private memory pool, which the allocated peak after
-    the warm-up does not count and the reserved peak does (and with it the pools of graphs still alive from an earlier
-    net of the same process: compare reserved peaks one net a process)."""
+    """(median ms of synchronised steps, peak MiB allocated, peak MiB reserved, both over the warm-up and the timed
+    steps). Called after the first step (compilation, autotuning, cuDNN's search), so the peaks are the steady step's.
+    Under CUDA graphs (mode="reduce-overhead") the warm-up records the graphs: allocations while recording count (the
+    graphs' private pool), replays allocate nothing. The reserved peak also holds what the allocator kept from the first
+    step; the cache is not emptied here, since emptying it after recording made torchvision's compiled step read freed
+    memory (an illegal address on an H100, torch 2.11)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
@@ -147,6 +149,7 @@ def run_case(kind, base, case, dtype, mode, log):
         rec["first_train_step_s"] = round(time.perf_counter() - t0, 2)
         rec["train_ms"], rec["train_peak_mib"], rec["train_reserved_mib"] = timed(train_step)
         net.eval()
+        infer_step()  # under torch.compile: the inference graph's compilation, outside timed()'s peaks
         rec["infer_ms"], rec["infer_peak_mib"], rec["infer_reserved_mib"] = timed(infer_step)
     except Exception as e:  # e.g. torchvision has no bf16 kernel: recorded, not fatal
         import traceback
