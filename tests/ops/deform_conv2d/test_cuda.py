@@ -469,7 +469,9 @@ def _graph_replay_matches_eager(deterministic, shape):
     def step():
         out = deformconv.deform_conv2d(x, offset, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"],
                                        dilation=kwargs["dilation"], mask=mask)
-        return (out, *torch.autograd.grad(out, leaves, gout))
+        # out detached: the captured graph's autograd nodes, kept alive by static's out, would hold the leaves'
+        # grad accumulators to the capture stream when the eager step below runs on the default stream
+        return (out.detach(), *torch.autograd.grad(out, leaves, gout))
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
