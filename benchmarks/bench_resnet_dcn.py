@@ -11,7 +11,9 @@ adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN l
 cuDNN's plain convolution and torchvision's eager call. Compiled modes take the op as DEFORMCONV_COMPILE_KERNELS says
 (`1`: decomposed into its kernels; each record says which), with torch's compile caches off unless --warm-caches: the
 compile time is then a cold one, and no graph traced under other deformconv options is served (the caches key on the
-kernels' source, not on the options that chose them; docs/design.md).
+kernels' source, not on the options that chose them; docs/design.md). --isolate runs every net, case and mode in a
+process of its own, all compiling at once and then timed one at a time, alone on the host and the GPU (run_isolated):
+less wall time where compiling dominates; the compile times are then those of compiles side by side.
 """
 
 from __future__ import annotations
@@ -134,30 +136,102 @@ def resnet50_base() -> nn.Module:
     return torchvision.models.resnet50()
 
 
-def run_case(kind, base, case, dtype, mode, log):
+def run_case(kind, base, case, dtype, mode, log, turn=lambda: None):
+    """A case's record: built, its first training step (compiling under torch.compile), then turn() (run_isolated: wait
+    for the GPU to itself), then the timed training and inference steps. An error is recorded, not raised."""
     from deformconv import config
 
-    net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
     rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
     if mode != "eager":
         rec["compile_kernels"] = config.compile_kernels()  # DEFORMCONV_COMPILE_KERNELS
     try:
+        net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
         net.train()
         t0 = time.perf_counter()
         train_step()
         torch.cuda.synchronize()
         rec["first_train_step_s"] = round(time.perf_counter() - t0, 2)
-        rec["train_ms"], rec["train_peak_mib"], rec["train_reserved_mib"] = timed(train_step)
-        net.eval()
-        infer_step()  # under torch.compile: the inference graph's compilation, outside timed()'s peaks
-        rec["infer_ms"], rec["infer_peak_mib"], rec["infer_reserved_mib"] = timed(infer_step)
     except Exception as e:  # e.g. torchvision has no bf16 kernel: recorded, not fatal
-        import traceback
-
-        rec["error"] = f"{type(e).__name__}: {e}"[:200]
-        rec["traceback"] = traceback.format_exc()[-1500:]
+        _record_error(rec, e)
+        net = None
+    turn()
+    if net is not None:
+        try:
+            rec["train_ms"], rec["train_peak_mib"], rec["train_reserved_mib"] = timed(train_step)
+            net.eval()
+            infer_step()  # under torch.compile: the inference graph's compilation, outside timed()'s peaks
+            rec["infer_ms"], rec["infer_peak_mib"], rec["infer_reserved_mib"] = timed(infer_step)
+        except Exception as e:
+            _record_error(rec, e)
     log(rec)
     return rec
+
+
+def _record_error(rec, e):
+    import traceback
+
+    rec["error"] = f"{type(e).__name__}: {e}"[:200]
+    rec["traceback"] = traceback.format_exc()[-1500:]
+
+
+def run_isolated(specs, settings, log, worker=None):
+    """Records of specs, (net, case, dtype name, mode) each, every one in a process of its own, the processes started
+    together: they build and compile at once (CPU work, most of a compiled case's time), then time one at a time, the
+    others waiting idle, so that no timing shares the host or the GPU. Each record's compiled_beside says how many
+    other processes were compiling meanwhile (its first_train_step_s is that long, not a lone compile's). settings:
+    main's arguments, as a dict; worker (a test's stand-in) takes _isolated_case's arguments."""
+    import multiprocessing
+    import queue
+
+    ctx = multiprocessing.get_context("spawn")  # CUDA in each child
+    results = ctx.Queue()
+    workers = []
+    for spec in specs:
+        ready, go = ctx.Event(), ctx.Event()
+        p = ctx.Process(target=worker or _isolated_case, args=(spec, settings, ready, go, results), daemon=True)
+        p.start()
+        workers.append((spec, p, ready, go))
+    for _, p, ready, _ in workers:  # every compile done before the first timing
+        while not ready.wait(1) and p.is_alive():
+            pass
+    records = []
+    for (kind, case, dt, mode), p, _, go in workers:
+        go.set()
+        rec = None
+        while rec is None:
+            try:
+                rec = results.get(timeout=1)
+            except queue.Empty:
+                if not p.is_alive() and results.empty():
+                    rec = dict(net=kind, case=case, dtype=dt, mode=mode,
+                               error=f"its process ended with exit code {p.exitcode} and no record")
+        p.join()
+        rec["compiled_beside"] = len(workers) - 1
+        log(rec)
+        records.append(rec)
+    return records
+
+
+def _isolated_case(spec, settings, ready, go, results):
+    """run_isolated's process of one spec: ready set once its first step is done (or failed), go awaited, its record
+    put in results."""
+    kind, case, dt, mode = spec
+
+    def turn():
+        ready.set()
+        go.wait()
+
+    args = argparse.Namespace(**settings)
+    apply_route_args(args)
+    if not args.warm_caches:
+        torch.compiler.config.force_disable_caches = True
+    try:
+        rec = run_case(kind, resnet50_base(), case, getattr(torch, dt), mode, log=lambda r: None, turn=turn)
+    except BaseException as e:  # not a case's error (run_case records those): still a record, so that none waits
+        rec = dict(net=kind, case=case, dtype=dt, mode=mode)
+        _record_error(rec, e)
+    turn()  # where run_case did not get there
+    results.put(rec)
 
 
 def layer_shapes(case):
@@ -237,22 +311,30 @@ def main(argv=None):
     ap.add_argument("--out")
     ap.add_argument("--warm-caches", action="store_true", help="compiled modes may take graphs from torch's compile "
                     "caches")
+    ap.add_argument("--isolate", action="store_true", help="each net, case and mode in a process of its own, all "
+                    "compiling at once, then timed one at a time (run_isolated)")
     add_route_args(ap)
     args = ap.parse_args(argv)
     apply_route_args(args)
     if not args.warm_caches:
         torch.compiler.config.force_disable_caches = True
-    base = resnet50_base()
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
-    records, layers = [], []
-    for spec in args.cases:
-        case, dt = spec.split(":")
-        for mode in args.modes:
-            for kind in args.nets:
-                records.append(run_case(kind, base, case, getattr(torch, dt), mode, log))
-        if args.layers:
+    specs = [(kind, *spec.split(":"), mode) for spec in args.cases for mode in args.modes for kind in args.nets]
+    if args.isolate:
+        if not torch.cuda.is_available():
+            sys.exit("needs a CUDA GPU")
+        records = run_isolated(specs, vars(args), log)
+    else:
+        base = resnet50_base()
+        records = []
+        for kind, case, dt, mode in specs:
+            records.append(run_case(kind, base, case, getattr(torch, dt), mode, log))
+            torch.cuda.empty_cache()
+    layers = []
+    if args.layers:
+        for spec in args.cases:
+            case, dt = spec.split(":")
             layers += layer_times(case, getattr(torch, dt), log)
-        torch.cuda.empty_cache()
     print("\n| case | dtype | mode | net | train step ms | inference ms | train peak MiB | train reserved MiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in records:
