@@ -178,8 +178,9 @@ def run_isolated(specs, settings, log, worker=None):
     """Records of specs, (net, case, dtype name, mode) each, every one in a process of its own, the processes started
     together: they build and compile at once (CPU work, most of a compiled case's time), then time one at a time, the
     others waiting idle, so that no timing shares the host or the GPU. Each record's compiled_beside says how many
-    other processes were compiling meanwhile (its first_train_step_s is that long, not a lone compile's). settings:
-    main's arguments, as a dict; worker (a test's stand-in) takes _isolated_case's arguments."""
+    other processes were compiling meanwhile (its first_train_step_s is that long, not a lone compile's). What the first
+    steps choose by timing (cuDNN's algorithm search, Inductor's runtime choice among a kernel's configs) they time side
+    by side too. settings: main's arguments, as a dict; worker (a test's stand-in) takes _isolated_case's arguments."""
     import multiprocessing
     import queue
 
