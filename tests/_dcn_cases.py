@@ -44,7 +44,7 @@ CONFIGS = {
 GRAD_NAMES = ("input", "offset", "weight", "bias", "mask")
 
 
-def _with_grad(args, kwargs, dtype):
+def leaves_with_grad(args, kwargs, dtype):
     """Leaf copies (requires_grad) of the case's tensors in dtype, in GRAD_NAMES order."""
     x, offset, weight, bias = args
     tensors = [x, offset, weight, bias, kwargs["mask"]]
@@ -52,7 +52,7 @@ def _with_grad(args, kwargs, dtype):
 
 
 @contextlib.contextmanager
-def _deterministic(flag=True):
+def deterministic_mode(flag=True):
     """torch.use_deterministic_algorithms(flag) inside the block, off again after it (even after an error)."""
     torch.use_deterministic_algorithms(flag)
     try:
@@ -61,12 +61,12 @@ def _deterministic(flag=True):
         torch.use_deterministic_algorithms(False)
 
 
-def _channels_last_leaf(t):
+def channels_last_leaf(t):
     """A channels_last leaf copy of t (requires_grad)."""
     return t.detach().contiguous(memory_format=torch.channels_last).requires_grad_(True)
 
 
-def _run(fn, leaves, kwargs, grad_seed=1):
+def fwd_bwd(fn, leaves, kwargs, grad_seed=1):
     x, offset, weight, bias, mask = leaves
     out = fn(x, offset, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"],
              dilation=kwargs["dilation"], mask=mask)
@@ -79,12 +79,12 @@ def _run(fn, leaves, kwargs, grad_seed=1):
     return out, [None if t is None else next(it) for t in leaves]
 
 
-def _compare(backend, dtype, leaves64, kwargs, oracle):
+def compare_to_oracle(backend, dtype, leaves64, kwargs, oracle):
     ours_leaves = [None if t is None else t.detach().to(dtype).requires_grad_(True) for t in leaves64]
-    out, grads = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), ours_leaves, kwargs)
+    out, grads = fwd_bwd(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), ours_leaves, kwargs)
     # The oracle sees exactly the values we computed on (rounded to dtype), in float64.
     oracle_leaves = [None if t is None else t.detach().double().requires_grad_(True) for t in ours_leaves]
-    ref_out, ref_grads = _run(oracle, oracle_leaves, kwargs)
+    ref_out, ref_grads = fwd_bwd(oracle, oracle_leaves, kwargs)
     assert out.dtype == dtype
     assert_close(out, ref_out, dtype, "output")
     for name, g, r in zip(GRAD_NAMES, grads, ref_grads):

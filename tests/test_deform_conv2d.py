@@ -12,7 +12,7 @@ import torch
 
 import deformconv
 from conftest import TOL, assert_close, assert_near_rounding, kernel_modules, make_case
-from _dcn_cases import BACKENDS, CONFIGS, GRAD_NAMES, _compare, _deterministic, _with_grad
+from _dcn_cases import BACKENDS, CONFIGS, GRAD_NAMES, compare_to_oracle, deterministic_mode, leaves_with_grad
 from _naive import naive_deform_conv2d
 
 torchvision = pytest.importorskip("torchvision")
@@ -23,8 +23,8 @@ torchvision = pytest.importorskip("torchvision")
 def test_against_naive(backend, dtype, config):
     """Forward and every gradient against the naive loops (float64 oracle on the same values)."""
     args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 1000)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
-    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
+    compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
 
 
 def _random_config(seed):
@@ -61,7 +61,7 @@ def test_against_torchvision_random(backend, dtype, seed):
     if backend == "triton" and seed % 3:
         pytest.skip("the Triton interpreter is slow: every third configuration")
     args, kwargs = make_case(**_random_config(seed), dtype=torch.float64, seed=seed)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _tv)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, _tv)
 
 
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
@@ -114,7 +114,7 @@ def test_deterministic_mode_with_non_finite_offsets_and_masks(where, value, back
     kernels' fixed-point grad_input takes its scale from grad_out, weight and mask, never from the offsets. A
     non-finite mask makes that grad_input NaN throughout (the mode's documented behaviour); the reference backend's
     (an ordered index_add) stays torchvision's."""
-    with _deterministic():
+    with deterministic_mode():
         _check_non_finite(where, value, "3x3-pad1", backend, dtype, deterministic=True)
 
 
@@ -176,7 +176,7 @@ def test_integer_offsets_on_pixels_and_borders(backend, dtype):
     ints = torch.randint(-7, 8, offset.shape, generator=g).double()
     frac = torch.tensor([0.0, 0.0, 0.0, 0.5, -0.5, 0.25, -0.999])[torch.randint(0, 7, offset.shape, generator=g)].double()
     offset = ints + frac
-    _compare(backend, dtype, _with_grad((x, offset, weight, bias), kwargs, torch.float64), kwargs, _tv)
+    compare_to_oracle(backend, dtype, leaves_with_grad((x, offset, weight, bias), kwargs, torch.float64), kwargs, _tv)
 
 
 @pytest.mark.parametrize("backend,dtype", BACKENDS)
@@ -278,7 +278,7 @@ def test_half_error_near_the_rounding_of_the_exact_result(config):
 def test_gradcheck_float64():
     args, kwargs = make_case(n=1, cin=4, cout=2, h=4, w=5, kh=3, kw=2, groups=2, offset_groups=2, padding=1,
                              dtype=torch.float64, seed=13)
-    leaves = _with_grad(args, kwargs, torch.float64)
+    leaves = leaves_with_grad(args, kwargs, torch.float64)
 
     def fn(x, offset, weight, bias, mask):
         return deformconv.deform_conv2d(x, offset, weight, bias, kwargs["stride"], kwargs["padding"],
@@ -317,7 +317,7 @@ def test_repeated_shape_with_other_flags(backend, dtype):
     }
     for name, v in variants.items():
         leaves64 = [v["x"], offset, weight, v["bias"], v["mask"]]
-        _compare(backend, dtype, leaves64, kwargs, torchvision.ops.deform_conv2d)
+        compare_to_oracle(backend, dtype, leaves64, kwargs, torchvision.ops.deform_conv2d)
     # only grad_offset and grad_weight asked for, on the same shape
     leaves = [t.detach().to(dtype) for t in (x, offset, weight, bias, kwargs["mask"])]
     leaves[1].requires_grad_(True)
@@ -342,7 +342,8 @@ def test_kept_tensors_go_through_saved_tensor_hooks_and_checkpointing(backend, d
     args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, dtype=dtype, seed=29)
 
     def grads(run):
-        leaves = [None if t is None else t.detach().clone().requires_grad_(True) for t in _with_grad(args, kwargs, dtype)]
+        leaves = [None if t is None else t.detach().clone().requires_grad_(True)
+                  for t in leaves_with_grad(args, kwargs, dtype)]
         x, offset, weight, bias, mask = leaves
 
         def layer(*t):

@@ -10,9 +10,9 @@ import torch
 import deformconv
 from conftest import (FINISH_CASE_IDS, FINISH_CASES, assert_close, check_finish_grads, kernel_modules, launch_metas,
                       make_case)
+from _dcn_cases import (BACKENDS, CONFIGS, GRAD_NAMES, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle,
+                        deterministic_mode, fwd_bwd, leaves_with_grad)
 from _naive import naive_deform_conv2d
-from _dcn_cases import (BACKENDS, CONFIGS, GRAD_NAMES, TRITON_BACKENDS, _channels_last_leaf, _compare, _deterministic,
-                        _run, _with_grad)
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -27,7 +27,7 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
     forced(configs={"bwd_data": lambda c: dataclasses.replace(c, split=split)})
     forced()
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert [cfg.split for key, cfg in kernels.launch.chosen_configs().items() if key[0] == "bwd_data"] == [split]
 
 
@@ -57,10 +57,10 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
     monkeypatch.setattr(kernels.backward, "finish_grads",
                         lambda w, pw, pb, *a: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb, *a))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
-        leaves64[2] = _channels_last_leaf(leaves64[2])
-    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+        leaves64[2] = channels_last_leaf(leaves64[2])
+    compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     has_bias = leaves64[3] is not None
     fused = has_bias and split > 1
     assert len(sums) == (1 if has_bias and not fused else 0)
@@ -95,7 +95,7 @@ def _compare_column_route(backend, dtype, config, n, products):
     larger = dict(h=9, w=9) if config == "3x3-pad1" else {}
     args, kwargs = make_case(**dict(CONFIGS[config], n=n, **larger), dtype=dtype,
                              seed=zlib.crc32(config.encode()) % 991)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     uses = CONFIGS[config].get("groups", 1) == 1 and dtype != torch.float32
     assert bool(products) == uses
     return uses
@@ -143,13 +143,13 @@ def _compare_grads_wrt(backend, dtype, wrt, seed, deterministic=False):
     """3x3-pad1 with only the leaves named in wrt requiring grad (so the backward's needs leave the others out): their
     gradients, ours (in deterministic mode if asked) against the oracle's."""
     args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=2), dtype=dtype, seed=seed)
-    leaves = {k: v.detach().requires_grad_(k in wrt) for k, v in zip(GRAD_NAMES, _with_grad(args, kwargs, dtype))}
+    leaves = {k: v.detach().requires_grad_(k in wrt) for k, v in zip(GRAD_NAMES, leaves_with_grad(args, kwargs, dtype))}
     leaves64 = {k: v.detach().double().requires_grad_(k in wrt) for k, v in leaves.items()}
     g = torch.Generator().manual_seed(3)
     grads = {}
     for name, ls, fn in (("ours", leaves, lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend)),
                          ("oracle", leaves64, naive_deform_conv2d)):
-        with _deterministic(deterministic and name == "ours"):
+        with deterministic_mode(deterministic and name == "ours"):
             out = fn(ls["input"], ls["offset"], ls["weight"], ls["bias"], stride=kwargs["stride"],
                      padding=kwargs["padding"], dilation=kwargs["dilation"], mask=ls["mask"])
             if name == "ours":
@@ -189,7 +189,7 @@ def test_eager_backward_keeps_the_fused_kernels(backend, dtype, monkeypatch, for
     products = _column_products(kernels, "one", monkeypatch, forced)
     cin, cout = kernels.columns.MIN_CIN_GRAD_COL, kernels.columns.MIN_COUT
     args, kwargs = make_case(n=2, cin=cin, cout=cout, h=5, w=4, kh=3, kw=3, padding=1, dtype=dtype, seed=cout)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert not products
 
 
@@ -212,11 +212,11 @@ def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, dire
                         lambda w, pw, pb, *a: finishes.append(pw is not None) or real_finish(w, pw, pb, *a))
     config = "groups2-og4-packed-tail"
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
-        leaves64[2] = _channels_last_leaf(leaves64[2])
+        leaves64[2] = channels_last_leaf(leaves64[2])
     assert leaves64[3] is not None  # a bias: its channel sum's partials are finished either way
-    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     assert finishes == [not direct]  # one finishing launch (grad_bias), with grad_weight's partials unless direct
     x, offset, weight, bias, _ = (t.detach().to(dtype).requires_grad_(True) for t in leaves64)
     deformconv.deform_conv2d(x, offset, weight, bias, **kwargs, backend=backend).sum().backward()
@@ -246,11 +246,11 @@ def test_backward_reuses_the_forward_packed_weight(backend, dtype, monkeypatch, 
     for module in (kernels.packing, kernels.backward):  # the forward's pack, and the backward's own
         monkeypatch.setattr(module, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
     args, kwargs = make_case(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1, seed=23)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
-    _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
+    compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     assert len(packs) == (2 if kernels.geometry.weight_k_major(dtype) else 1)
     packs.clear()
-    leaves = _with_grad(args, kwargs, dtype)
+    leaves = leaves_with_grad(args, kwargs, dtype)
     x, offset, weight, bias, mask = leaves
     out = torch.ops.deformconv.deform_conv2d(x, offset, weight, bias, mask, list(kwargs["stride"]),
                                              list(kwargs["padding"]), list(kwargs["dilation"]), backend)
@@ -269,14 +269,14 @@ def test_deterministic_mode_sums_grad_input_in_fixed_point(backend, dtype, confi
     real = kernels.backward.fixed_point_scales
     monkeypatch.setattr(kernels.backward, "fixed_point_scales", lambda *a: scales.append(real(*a)) or scales[-1])
     args, kwargs = make_case(**CONFIGS[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
-    with _deterministic():
-        _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    with deterministic_mode():
+        compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert scales and all(s is not None for s in scales)
 
 
 def _grad_input(x, offset, weight, mask, grad_out, backend, deterministic):
     x = x.detach().requires_grad_(True)
-    with _deterministic(deterministic):
+    with deterministic_mode(deterministic):
         out = deformconv.deform_conv2d(x, offset, weight, padding=1, mask=mask, backend=backend)
         return torch.autograd.grad(out, x, grad_out)[0]
 
@@ -303,9 +303,9 @@ def test_deterministic_mode_with_an_empty_batch(backend, dtype):
     """An empty batch has no grad_out to bound: the fixed-point scale still exists and the gradients are
     empty (input, offset, mask) or zero (weight)."""
     args, kwargs = make_case(**dict(CONFIGS["3x3-pad1"], n=0), dtype=dtype, seed=3)
-    leaves = _with_grad(args, kwargs, dtype)
-    with _deterministic():
-        _, grads = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
+    leaves = leaves_with_grad(args, kwargs, dtype)
+    with deterministic_mode():
+        _, grads = fwd_bwd(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
     for name, leaf, g in zip(GRAD_NAMES, leaves, grads):
         assert g.shape == leaf.shape, name
         assert torch.equal(g, torch.zeros_like(g)), name

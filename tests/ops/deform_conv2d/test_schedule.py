@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from conftest import CountingKernel, kernel_modules, launch_metas, make_case
+from _dcn_cases import (BACKENDS, CONFIGS, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle, deterministic_mode,
+                        leaves_with_grad)
 from _naive import naive_deform_conv2d
-from _dcn_cases import BACKENDS, CONFIGS, TRITON_BACKENDS, _channels_last_leaf, _compare, _deterministic, _with_grad
 
 
 CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det else 'atomics'}")
@@ -33,11 +34,11 @@ def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config,
     real = kernels.backward._backward_chunk
     monkeypatch.setattr(kernels.backward, "_backward_chunk", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = make_case(**dict(CONFIGS[config], n=5), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     if layout == "channels_last":
-        leaves64[0] = _channels_last_leaf(leaves64[0])
-    with _deterministic(deterministic):
-        _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+        leaves64[0] = channels_last_leaf(leaves64[0])
+    with deterministic_mode(deterministic):
+        compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     assert chunks == [2, 2, 1]
 
 
@@ -189,15 +190,15 @@ def test_backward_through_the_layout_kernels(backend, dtype, config, input_layou
     monkeypatch.setattr(kernels.layout, "transpose_last", transpose)
     monkeypatch.setattr(kernels.backward, "channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 967)
-    leaves64 = _with_grad(args, kwargs, torch.float64)
+    leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     assert leaves64[3] is not None  # a bias
     if input_layout == "channels_last":
-        leaves64[0] = _channels_last_leaf(leaves64[0])
-    with _deterministic(deterministic):
-        _compare(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
+        leaves64[0] = channels_last_leaf(leaves64[0])
+    with deterministic_mode(deterministic):
+        compare_to_oracle(backend, dtype, leaves64, kwargs, naive_deform_conv2d)
     zeroed = [z for z, _ in passes if z is not None]
     assert zeroed == ([] if input_layout == "channels_last" else [torch.int64 if deterministic else torch.float32])
-    assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (_run's grad_out is NCHW)
+    assert [s for _, s in passes].count(True) == 1 and sums == []  # grad_out's pass (fwd_bwd's grad_out is NCHW)
     assert [m["NEED_BIAS"] for m in launch_metas() if "NEED_BIAS" in m] == [False]
     # the forward's input pass is fused with its weight pack (_pack_and_transpose_kernel); the backward's two
     # passes (an NCHW input's and grad_out's) pair up, grad_input's accumulator goes back in a pass of its own

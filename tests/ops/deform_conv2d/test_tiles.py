@@ -9,7 +9,8 @@ import torch
 
 import deformconv
 from conftest import assert_close, kernel_modules, launch_metas, make_case, nan_filled_empty, plans
-from _dcn_cases import CONFIGS, GRAD_NAMES, TRITON_BACKENDS, _channels_last_leaf, _compare, _run, _with_grad
+from _dcn_cases import (CONFIGS, GRAD_NAMES, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle, fwd_bwd,
+                        leaves_with_grad)
 from _naive import naive_deform_conv2d
 
 
@@ -24,7 +25,7 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch, forced
     if not per_image:
         forced(go_resident=False)
     args, kwargs = make_case(**dict(CONFIGS[config], n=3), dtype=dtype, seed=zlib.crc32(config.encode()) % 997)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
 
 # RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (CodegenProfile.wide_run_stores on, off). 320 positions: the old
@@ -74,10 +75,10 @@ def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
     if layout == "channels_last":
         args = (args[0].contiguous(memory_format=torch.channels_last),) + tuple(args[1:])
-    leaves = _with_grad(args, kwargs, dtype)
+    leaves = leaves_with_grad(args, kwargs, dtype)
     if layout == "channels_last":
-        leaves[0] = _channels_last_leaf(leaves[0])
-    run = lambda: _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)  # noqa: E731
+        leaves[0] = channels_last_leaf(leaves[0])
+    run = lambda: fwd_bwd(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)  # noqa: E731
     forced()
     out, grads = run()
     assert any(getattr(plan, "grouped", False) for plan in plans())
@@ -90,7 +91,7 @@ def test_offset_grouped_input_layout_matches_nhwc(backend, dtype, layout, config
     if layout == "channels_last":
         assert out.is_contiguous(memory_format=torch.channels_last)
         assert grads[0].is_contiguous(memory_format=torch.channels_last)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
 
 # long segments (16 channels or more, or a length that is not a power of two): the forward's per-(tap, segment)
@@ -118,7 +119,7 @@ def test_forward_sample_points_loaded_ahead_or_in_step(backend, dtype, ahead, co
     forced()
     cfg = LONG_SEGMENT_CASES[config]
     args, kwargs = make_case(**cfg, dtype=dtype, seed=zlib.crc32(config.encode()) % 991)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
     assert [c.sample_ahead for key, c in kernels.launch.chosen_configs().items() if key[0] == "fwd"] == [ahead]
 
 
@@ -144,7 +145,7 @@ def test_wide_configs(backend, dtype, config, monkeypatch, forced):
 
     forced(columns_grad_weight=False)  # the fused grad_weight kernel's wide tile, not the column buffer
     args, kwargs = make_case(**WIDE_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, _reference)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, _reference)
     used = {key[0]: cfg for key, cfg in kernels.launch.chosen_configs().items()}
     assert used["fwd"].block_n == 256 and used["bwd_weight"].block_n == 256
     tma = WIDE_CASES[config]["cin"] % (32 if dtype == torch.float32 else 64) == 0  # whole chunks
@@ -175,11 +176,11 @@ def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkey
     if not per_image:
         forced(go_resident=False)
     args, kwargs = make_case(**TMA_CASES[config], dtype=dtype, seed=zlib.crc32(config.encode()) % 971)
-    leaves = _with_grad(args, kwargs, dtype)
+    leaves = leaves_with_grad(args, kwargs, dtype)
     results = {}
     for tma in (False, True):
         forced(tma=tma)
-        results[tma] = _run(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
+        results[tma] = fwd_bwd(lambda *a, **k: deformconv.deform_conv2d(*a, **k, backend=backend), leaves, kwargs)
         metas = launch_metas()
         assert len(metas) == 3
         assert all(m["TMA"] == tma for m in metas)
@@ -187,4 +188,4 @@ def test_tma_tiles_match_pointer_tiles(backend, dtype, per_image, config, monkey
     torch.testing.assert_close(out_tma, out, atol=0, rtol=0)
     for name, g, g_tma in zip(GRAD_NAMES, grads, grads_tma):
         torch.testing.assert_close(g_tma, g, atol=0, rtol=0, msg=lambda m: f"grad_{name}: {m}")
-    _compare(backend, dtype, _with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
+    compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
