@@ -74,8 +74,8 @@ def timed(step, steps=30, warmup=10):
     steps). Called after the first step (compilation, autotuning, cuDNN's search), so the peaks are the steady step's.
     Under CUDA graphs (mode="reduce-overhead") the warm-up records the graphs: allocations while recording count (the
     graphs' private pool), replays allocate nothing. The reserved peak also holds what the allocator kept from the first
-    step; the cache is not emptied here, since emptying it after recording made torchvision's compiled step read freed
-    memory (an illegal address on an H100, torch 2.11)."""
+    step; the cache is not emptied here: emptied after recording, torchvision's compiled step then failed with an
+    illegal memory access (H100, torch 2.11), most likely reading memory the emptying freed."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
