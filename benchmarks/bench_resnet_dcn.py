@@ -222,10 +222,7 @@ def _isolated_case(spec, settings, ready, go, results):
         ready.set()
         go.wait()
 
-    args = argparse.Namespace(**settings)
-    apply_route_args(args)
-    if not args.warm_caches:
-        torch.compiler.config.force_disable_caches = True
+    apply_settings(argparse.Namespace(**settings))
     try:
         rec = run_case(kind, resnet50_base(), case, getattr(torch, dt), mode, log=lambda r: None, turn=turn)
     except BaseException as e:  # not a case's error (run_case records those): still a record, so that none waits
@@ -300,6 +297,14 @@ def apply_route_args(args: argparse.Namespace) -> None:
         options.columns_grad_data = args.columns_grad_data == "on"
 
 
+def apply_settings(args: argparse.Namespace) -> None:
+    """main's arguments that set the process up, in main and in each of run_isolated's processes: the column routes,
+    and torch's compile caches off unless --warm-caches."""
+    apply_route_args(args)
+    if not args.warm_caches:
+        torch.compiler.config.force_disable_caches = True
+
+
 def main(argv=None):
     from deformconv.benchmark import environment, write_results
 
@@ -316,9 +321,7 @@ def main(argv=None):
                     "compiling at once, then timed one at a time (run_isolated)")
     add_route_args(ap)
     args = ap.parse_args(argv)
-    apply_route_args(args)
-    if not args.warm_caches:
-        torch.compiler.config.force_disable_caches = True
+    apply_settings(args)
     log = lambda r: print(json.dumps(r), flush=True)  # noqa: E731
     specs = [(kind, *spec.split(":"), mode) for spec in args.cases for mode in args.modes for kind in args.nets]
     if args.isolate:
