@@ -26,6 +26,10 @@ SHAPES = {
 # at columns.MIN_COUT output channels grad_weight, at columns.MIN_CIN_GRAD_COL input channels grad_input/offset/mask,
 # through the column buffers by default in 16 bits
 WIDE = {"cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, True), "cin-512": (2, 512, 16, 5, 7, 3, 1, 1, 1, 1, True)}
+# 256 output channels: the forward's 64x256 tile within one wave of its programs (132 pretend SMs), the 128x256 tile
+# past it (configs.traced_wide_tile)
+WAVES = {"cout-256-one-wave": (2, 16, 256, 9, 11, 3, 1, 1, 1, 1, True),
+         "cout-256-two-waves": (4, 16, 256, 60, 60, 3, 1, 1, 1, 1, True)}
 DTYPES = ("float32", "float16", "bfloat16")
 MAIN_KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
 
@@ -52,7 +56,7 @@ def _fake_inputs(name, dtype, symbolic=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    n, cin, cout, h, w, k, g, og, s, p, has_mask = {**SHAPES, **WIDE}[name]
+    n, cin, cout, h, w, k, g, og, s, p, has_mask = {**SHAPES, **WIDE, **WAVES}[name]
     ho, wo = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
     env = ShapeEnv() if symbolic else None
     if symbolic:
@@ -94,7 +98,8 @@ def _trace(name, dtype, needs=None, tracing_mode="fake", keep_whole=False):
             launched.append(kernel)
             written = list(nd.kwargs["tensors_to_clone"])
             inputs = [name for name in written if getattr(nd.kwargs["kwargs"].get(name), "op", "") == "placeholder"]
-            stores.append(dict(kernel=kernel, written=written, writes_inputs=inputs))
+            tile = [nd.kwargs["kwargs"].get(k) for k in ("BLOCK_M", "BLOCK_N")]
+            stores.append(dict(kernel=kernel, written=written, writes_inputs=inputs, tile=tile))
     opaque = [str(nd.target) for nd in gm.graph.nodes if "deformconv" in str(nd.target)]
     traced = [nd.meta["val"] for nd in gm.graph.output_node().args[0]]
     promised = run(*present)  # fake tensors outside any tracing: the ops' fake implementations
@@ -122,6 +127,9 @@ def _child() -> dict:
             results[f"{name}:{dtype}"] = _trace(name, dtype)
     with options.override(columns_grad_data=True):
         results["grad-columns"] = _trace("odd-s2", "bfloat16")
+    for name, dtype in (("cout-256-one-wave", "bfloat16"), ("cout-256-two-waves", "bfloat16"),
+                        ("cout-256-two-waves", "float32")):
+        results[f"{name}:{dtype}"] = _trace(name, dtype, needs=[False, False, False, False, False])
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
     results["switched-off"] = _trace("groups-og4", "float16")
     return results
@@ -214,6 +222,17 @@ def test_grad_data_through_the_grad_col_buffer_traces(traces):
     assert not t["opaque"], t["opaque"]
     assert t["traced"] == t["promised"]
     assert not any(launch["writes_inputs"] for launch in t["stores"]), t["stores"]
+
+
+@pytest.mark.parametrize("case,rows", [("cout-256-one-wave:bfloat16", 64), ("cout-256-two-waves:bfloat16", 128),
+                                       ("cout-256-two-waves:float32", 128)])
+def test_traced_forward_takes_the_taller_wide_tile_past_one_wave(traces, case, rows):
+    """A traced forward has no register cap: at 256 output channels its tile is 64x256 where those programs fit one
+    wave (one an SM), else 128x256 (configs.traced_wide_tile); outputs as promised either way."""
+    t = traces[case]
+    tiles = [launch["tile"] for launch in t["stores"] if launch["kernel"] == "_deform_conv2d_fwd_kernel"]
+    assert tiles == [[rows, 256]], tiles
+    assert t["traced"] == t["promised"]
 
 
 def test_only_the_gradients_asked_for_are_computed(traces):

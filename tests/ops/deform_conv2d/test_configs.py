@@ -21,8 +21,9 @@ def _geo(cin=256, cout=256, groups=1, og=1, n=8, h=50, w=76):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_candidate_lists_are_small_and_valid(geo, dtype):
     seg = K.geometry.segment_length(geo)
-    lists = [K.configs.fwd_candidates(geo, seg, dtype), K.configs.bwd_data_candidates(geo, seg, dtype, torch.device("cpu")),
-             K.configs.bwd_weight_candidates(geo, seg, dtype, torch.device("cpu"))]
+    cpu = torch.device("cpu")
+    lists = [K.configs.fwd_candidates(geo, seg, dtype, cpu), K.configs.bwd_data_candidates(geo, seg, dtype, cpu),
+             K.configs.bwd_weight_candidates(geo, seg, dtype, cpu)]
     for cands in lists:
         assert 1 <= len(cands) <= 4 and len(set(cands)) == len(cands)
         for c in cands:
@@ -438,10 +439,10 @@ def test_forced_configs_replace_the_candidates(forced):
 
     geo, cpu = _geo(), torch.device("cpu")
     seg = K.geometry.segment_length(geo)
-    default = K.configs.fwd_candidates(geo, seg, torch.float16)
+    default = K.configs.fwd_candidates(geo, seg, torch.float16, cpu)
     assert len(default) > 1
     forced(configs={"fwd": K.configs.Config(32, 32, 16, 4), "bwd_data": lambda c: dataclasses.replace(c, split=5)})
-    assert K.configs.fwd_candidates(geo, seg, torch.float16) == [K.configs.Config(32, 32, 16, 4)]
+    assert K.configs.fwd_candidates(geo, seg, torch.float16, cpu) == [K.configs.Config(32, 32, 16, 4)]
     data = K.configs.bwd_data_candidates(geo, seg, torch.float16, cpu)
     assert len(data) == 1 and data[0].split == 5
     forced(configs={}, tma=True)

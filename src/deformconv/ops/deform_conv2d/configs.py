@@ -16,7 +16,7 @@ import torch
 
 from ...checks import ConvGeometry
 from ...compat import codegen_profile
-from ...config import options
+from ...config import options, tracing
 from ..common.launch import ceil_div, pow2_clamp, sm_count, tma_possible, unique_configs
 from .geometry import k_chunks_whole, k_run, packs_segments, weight_k_major, weight_rows
 
@@ -63,11 +63,12 @@ WEIGHT_WIDE_MAXNREG = 128        # grad_weight's 256-column tile
 WEIGHT_NARROW_FP32_MAXNREG = 168  # grad_weight's narrow fp32 tile (unpipelined)
 
 
-def fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Config]:
+def fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype, device: torch.device) -> List[Config]:
     """The forward's tiles. fp32 reads the weight K-major, in 16-wide chunks and 3 stages; 256+ output channels a
-    group take a 64x256 tile capped at 128 registers (its B tile through TMA); short packed segments take small
-    M tiles (32 rows capped at 96 registers in 16 bits with <= 64 output channels, 64 rows in fp32); long segments
-    load each step's offsets and mask a step ahead in 128-row tiles."""
+    group take a 64x256 tile capped at 128 registers (its B tile through TMA), or under the compile route, past one
+    wave of it, the 128x256 tile (traced_wide_tile); short packed segments take small M tiles (32 rows capped at 96
+    registers in 16 bits with <= 64 output channels, 64 rows in fp32); long segments load each step's offsets and
+    mask a step ahead in 128-row tiles."""
     cout_g = geo.out_channels // geo.groups
     bk = pow2_clamp(k_run(geo, seg, "fwd"), 16, 64 if dtype != torch.float32 else 32)
     bn = pow2_clamp(cout_g, 16, 128)
@@ -94,8 +95,25 @@ def fwd_candidates(geo: ConvGeometry, seg: int, dtype: torch.dtype) -> List[Conf
                          Config(64, bn, min(bk, 32), 4, maxnreg=128)]
     else:
         cands = [Config(128, bn, min(bk, 32), 4, num_stages=3, sample_ahead=True), Config(128, bn, min(bk, 32), 4)]
+    if cout_g >= 256 and tracing():
+        cands = traced_wide_tile(geo, cands, device)
     cands += [Config(64, bn, bk, 4), Config(128, bn, bk, 8)]
     return forced("fwd", unique_configs(cands)[:4])
+
+
+def traced_wide_tile(geo: ConvGeometry, cands: List[Config], device: torch.device) -> List[Config]:
+    """The forward's candidates for 256+ output channels a group under the compile route. A traced launch has no
+    register cap (Launch.traced_meta): the 64x256 tile uncapped takes about 180 registers a thread, one program an SM.
+    Past one wave of those programs the 128x256 tile, half as many, goes first; within one wave the 64-row tile
+    spreads over more SMs and stays first (docs/tuning.md, the compile route's tiles)."""
+    if cands[0].block_m != 64:
+        return cands
+    cout_g = geo.out_channels // geo.groups
+    programs = ceil_div(geo.batch * geo.out_h * geo.out_w, 64) * geo.groups * ceil_div(cout_g, 256)
+    if programs <= sm_count(device):
+        return cands
+    tall = next(c for c in cands if c.block_m == 128 and c.block_n == 256)
+    return [tall] + [c for c in cands if c is not tall]
 
 
 def tap_split(geo: ConvGeometry, block_m: int, device: torch.device, fixed: bool = False,

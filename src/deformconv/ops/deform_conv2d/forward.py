@@ -309,7 +309,7 @@ def deform_conv2d_forward(
             return _launch_forward(plan, cfg, x, off, msk, wp, b, out, mask is not None, bias is not None)
 
         cfg = pick_config(tuning_class("fwd", geo, input.dtype, plan.seg, mask is not None),
-                          fwd_candidates(geo, plan.seg, input.dtype), launch, input.device)
+                          fwd_candidates(geo, plan.seg, input.dtype, input.device), launch, input.device)
         plan.launch = launch(cfg)
         remember(plans, key, plan)
     if memo is not None:
