@@ -9,9 +9,9 @@ resolution, backward, SGD step) and an inference forward, each the median wall t
 steps (synchronised each step: what a training loop sees, host included), and the peak memory of a step. --layers
 adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN layer shape of the network, against
 cuDNN's plain convolution and torchvision's eager call. Compiled modes take the op as DEFORMCONV_COMPILE_KERNELS says
-(`1`: decomposed into its kernels; each record says which), with torch's compile caches off unless --warm-caches: the
-compile time is then a cold one, and no graph traced under other deformconv options is served (the caches key on the
-kernels' source, not on the options that chose them; docs/design.md). --isolate runs every net, case and mode in a
+(`1`: decomposed into its kernels; each record says which). deformconv's net compiles with torch's compile caches off
+unless --warm-caches (compile_caches): its compile time is then a cold one, and no graph traced under other deformconv
+options is served. --isolate runs every net, case and mode in a
 process of its own, all compiling at once and then timed one at a time, alone on the host and the GPU (run_isolated):
 less wall time where compiling dominates; the compile times are then those of compiles side by side.
 """
@@ -144,6 +144,8 @@ def run_case(kind, base, case, dtype, mode, log, turn=lambda: None):
     rec = dict(net=kind, case=case, dtype=str(dtype).split(".")[-1], mode=mode)
     if mode != "eager":
         rec["compile_kernels"] = config.compile_kernels()  # DEFORMCONV_COMPILE_KERNELS
+        rec["compile_caches"] = compile_caches(kind)
+        torch.compiler.config.force_disable_caches = not rec["compile_caches"]
     try:
         net, train_step, infer_step = case_steps(kind, base, case, dtype, mode)
         net.train()
@@ -297,12 +299,25 @@ def apply_route_args(args: argparse.Namespace) -> None:
         options.columns_grad_data = args.columns_grad_data == "on"
 
 
+# --warm-caches (apply_settings): torch's compile caches on for every net. See compile_caches.
+WARM_CACHES = False
+
+
+def compile_caches(kind: str) -> bool:
+    """Whether the net kind compiles with torch's compile caches on: deformconv's only with --warm-caches, for the
+    caches key on the kernels' source, not on the deformconv options that chose them (docs/design.md), so they could
+    serve a graph traced under other options; the other nets always. torchvision's compiled step crashed in each of
+    three runs with the caches off (an illegal memory access twice, then an invalid address space in Inductor's
+    autotuning, H100, torch 2.11) and ran with them on, as in every earlier record."""
+    return WARM_CACHES or kind != "deformconv"
+
+
 def apply_settings(args: argparse.Namespace) -> None:
-    """main's arguments that set the process up, in main and in each of run_isolated's processes: the column routes,
-    and torch's compile caches off unless --warm-caches."""
+    """main's arguments that set the process up, in main and in each of run_isolated's processes: the column routes
+    and --warm-caches."""
+    global WARM_CACHES
     apply_route_args(args)
-    if not args.warm_caches:
-        torch.compiler.config.force_disable_caches = True
+    WARM_CACHES = args.warm_caches
 
 
 def main(argv=None):
@@ -315,8 +330,8 @@ def main(argv=None):
     ap.add_argument("--modes", nargs="+", default=["eager"], choices=["eager", "default", "reduce-overhead"])
     ap.add_argument("--layers", action="store_true")
     ap.add_argument("--out")
-    ap.add_argument("--warm-caches", action="store_true", help="compiled modes may take graphs from torch's compile "
-                    "caches")
+    ap.add_argument("--warm-caches", action="store_true", help="deformconv's compiled net may take graphs from torch's "
+                    "compile caches too (compile_caches)")
     ap.add_argument("--isolate", action="store_true", help="each net, case and mode in a process of its own, all "
                     "compiling at once, then timed one at a time (run_isolated)")
     add_route_args(ap)
@@ -355,7 +370,7 @@ def main(argv=None):
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
         env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight,
-                   columns_grad_data=args.columns_grad_data, compile_caches=args.warm_caches)
+                   columns_grad_data=args.columns_grad_data, warm_caches=args.warm_caches)
         write_results(args.out, env, records, layers=layers)
 
 

@@ -1,5 +1,6 @@
 """benchmarks/bench_resnet_dcn.py's run_isolated on stand-in workers (tests/_bench_standin.py): the processes compile
-side by side, each timing runs alone after every compile, and a process that ends without a record still gets one."""
+side by side, each timing runs alone after every compile, a process that ends without a record still gets one;
+which nets compile with torch's compile caches."""
 
 import os
 import sys
@@ -27,3 +28,18 @@ def test_compiles_side_by_side_then_timings_one_at_a_time():
     starts = [r["start"] for r in done]
     assert max(starts) - min(starts) < settings["compile_s"], starts  # the compiles overlapped
     assert min(w[0] for w in windows) >= max(starts) + settings["compile_s"]  # no timing before every compile is done
+
+
+def test_compile_caches_off_for_deformconv_unless_warm():
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    bench_resnet_dcn.add_route_args(ap)
+    ap.add_argument("--warm-caches", action="store_true")
+    try:
+        for argv, deformconv_on in (([], False), (["--warm-caches"], True)):
+            bench_resnet_dcn.apply_settings(ap.parse_args(argv))
+            assert bench_resnet_dcn.compile_caches("deformconv") is deformconv_on
+            assert bench_resnet_dcn.compile_caches("torchvision") and bench_resnet_dcn.compile_caches("plain")
+    finally:
+        bench_resnet_dcn.apply_settings(ap.parse_args([]))
