@@ -153,6 +153,28 @@ def test_wide_configs(backend, dtype, config, monkeypatch, forced):
     assert used["bwd_data"].num_warps == (8 if WIDE_CASES[config]["cout"] >= 512 and not tma else 4)
 
 
+@pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
+def test_traced_wide_tile_matches_the_reference(backend, dtype, monkeypatch, forced):
+    """The forward's 128x256 tile that the compile route takes past one wave of 64-row programs
+    (configs.traced_wide_tile, chosen here with one pretend SM), launched eagerly, with a partial last column tile at
+    520 output channels: the float64 reference's output."""
+    kernels = kernel_modules()
+    case = WIDE_CASES["cout-520-three-n-tiles"]
+    args, kwargs = make_case(**case, dtype=dtype, seed=zlib.crc32(b"traced-wide") % 977)
+    geo = deformconv.checks.geometry_from_tensors(args[0], args[1], args[2], kwargs["stride"], kwargs["padding"],
+                                                  kwargs["dilation"])
+    monkeypatch.setattr(kernels.configs, "sm_count", lambda device: 1)
+    with deformconv.config.traced():
+        tall = kernels.configs.fwd_candidates(geo, kernels.geometry.segment_length(geo), dtype, torch.device("cuda"))[0]
+    assert (tall.block_m, tall.block_n, tall.maxnreg) == (128, 256, None)
+    forced(configs={"fwd": tall})
+    out = deformconv.deform_conv2d(*args, **kwargs, backend=backend)
+    ref = naive_deform_conv2d(*[t.double() for t in args], **{k: v if not torch.is_tensor(v) else v.double()
+                                                             for k, v in kwargs.items()})
+    assert [c.block_m for key, c in kernels.launch.chosen_configs().items() if key[0] == "fwd"] == [128]
+    assert_close(out, ref, dtype, "output")
+
+
 # Config.tma: weight and grad_out tiles read through TMA descriptors (fp16, bf16, fp32; whole channel chunks)
 TMA_CASES = {
     # long segments; 24 output channels in a 32-column tile (the descriptor reads zeros past them); grad_out
