@@ -11,9 +11,9 @@ adds the GPU time (CUDA-graph replay) of forward+backward at each distinct DCN l
 cuDNN's plain convolution and torchvision's eager call. Compiled modes take the op as DEFORMCONV_COMPILE_KERNELS says
 (`1`: decomposed into its kernels; each record says which). deformconv's net compiles with torch's compile caches off
 unless --warm-caches (compile_caches): its compile time is then a cold one, and no graph traced under other deformconv
-options is served. --isolate runs every net, case and mode in a
-process of its own, all compiling at once and then timed one at a time, alone on the host and the GPU (run_isolated):
-less wall time where compiling dominates; the compile times are then those of compiles side by side.
+options is served. --isolate runs every net, case and mode in a process of its own, all compiling at once and then
+timed one at a time, alone on the host and the GPU (run_isolated): less wall time where compiling dominates; the
+compile times are then those of compiles side by side.
 """
 
 from __future__ import annotations
