@@ -74,8 +74,7 @@ def timed(step, steps=30, warmup=10):
     steps). Called after the first step (compilation, autotuning, cuDNN's search), so the peaks are the steady step's.
     Under CUDA graphs (mode="reduce-overhead") the warm-up records the graphs: allocations while recording count (the
     graphs' private pool), replays allocate nothing. The reserved peak also holds what the allocator kept from the first
-    step; the cache is not emptied here: emptied after recording, torchvision's compiled step then failed with an
-    illegal memory access (H100, torch 2.11), most likely reading memory the emptying freed."""
+    step (the cache is not emptied here: the recorded graphs' pools are what the peaks are meant to count)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     for _ in range(warmup):
@@ -306,9 +305,8 @@ WARM_CACHES = False
 def compile_caches(kind: str) -> bool:
     """Whether the net kind compiles with torch's compile caches on: deformconv's only with --warm-caches, for the
     caches key on the kernels' source, not on the deformconv options that chose them (docs/design.md), so they could
-    serve a graph traced under other options; the other nets always. torchvision's compiled step crashed in each of
-    three runs with the caches off (an illegal memory access twice, then an invalid address space in Inductor's
-    autotuning, H100, torch 2.11) and ran with them on, as in every earlier record."""
+    serve a graph traced under other options; the other nets always: torchvision's compiled step crashed with them off
+    and ran with them on (benchmarks/README.md, compiled)."""
     return WARM_CACHES or kind != "deformconv"
 
 

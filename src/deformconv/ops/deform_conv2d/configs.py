@@ -18,7 +18,7 @@ from ...checks import ConvGeometry
 from ...compat import codegen_profile
 from ...config import options, tracing
 from ..common.launch import ceil_div, pow2_clamp, sm_count, tma_possible, unique_configs
-from .geometry import k_chunks_whole, k_run, packs_segments, weight_k_major, weight_rows
+from .geometry import count_m_tiles, k_chunks_whole, k_run, packs_segments, weight_k_major, weight_rows
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def traced_wide_tile(geo: ConvGeometry, cands: List[Config], device: torch.devic
     if cands[0].block_m != 64:
         return cands
     cout_g = geo.out_channels // geo.groups
-    programs = ceil_div(geo.batch * geo.out_h * geo.out_w, 64) * geo.groups * ceil_div(cout_g, 256)
+    programs = count_m_tiles(geo, 64, False) * geo.groups * ceil_div(cout_g, 256)
     if programs <= sm_count(device):
         return cands
     tall = next(c for c in cands if c.block_m == 128 and c.block_n == 256)
