@@ -47,48 +47,78 @@ def _grads(net, x, y, **kw):
     return {name: p.grad.detach().clone() for name, p in net.named_parameters()}
 
 
-def _reference_grads():
+def _reference_grads(device="cpu", dtype=torch.float64):
     torch.manual_seed(0)
-    net = Net().double()
+    net = Net().to(device, dtype)
     x, y = _data()
-    return net, _grads(net, x, y)
+    return net, _grads(net, x.to(device, dtype), y.to(device))
 
 
-def _ddp_worker(rank, world, init_file, out_dir):
+def _no_tf32():
+    """fp32 without TF32 in the Triton kernels, cuBLAS and cuDNN alike (the kernels follow cuDNN's flag)."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def _ddp_worker(rank, world, backend, init_file, out_dir):
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    # gloo: the CPU in float64; nccl: one GPU a rank, the Triton kernels in float32
+    device, dtype = ("cpu", torch.float64) if backend == "gloo" else (f"cuda:{rank}", torch.float32)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        _no_tf32()
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        net = Net().double()
-        ddp = nn.parallel.DistributedDataParallel(net)
+        net = Net().to(device, dtype)
+        ddp = nn.parallel.DistributedDataParallel(net, device_ids=[rank] if backend == "nccl" else None)
         x, y = _data()
         share = x.shape[0] // world
         sl = slice(rank * share, (rank + 1) * share)
-        F.cross_entropy(ddp(x[sl]), y[sl]).backward()  # DDP averages over the ranks: the mean over the whole batch
-        torch.save({name: p.grad for name, p in net.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
-        # DDP's reducer holds gloo work and its tensors: released here, with both ranks past their last collective,
-        # rather than by gloo's threads during the interpreter's exit (a worker aborted there once under CI's load:
-        # "terminate called without an active exception"; pytorch#179291 describes that exit)
+        F.cross_entropy(ddp(x[sl].to(device, dtype)), y[sl].to(device)).backward()  # DDP averages over the ranks
+        torch.save({name: p.grad.cpu() for name, p in net.named_parameters()}, os.path.join(out_dir, f"rank{rank}.pt"))
+        # DDP's reducer holds the backend's work and its tensors: released here, with both ranks past their last
+        # collective, rather than by gloo's threads during the interpreter's exit (a worker aborted there once under
+        # CI's load: "terminate called without an active exception"; pytorch#179291 describes that exit)
         dist.barrier()
         del ddp
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
-def test_distributed_data_parallel_two_processes_match_one(tmp_path):
-    """Two gloo processes on the CPU, each with half the batch: after DDP's all-reduce every rank holds the
-    single-process gradient of the whole batch."""
+def _check_ddp(backend, tmp_path, tol):
     import torch.multiprocessing as mp
 
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
-    _, want = _reference_grads()
+    mp.spawn(_ddp_worker, args=(2, backend, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    if backend == "nccl":
+        _no_tf32()
+        _, want = _reference_grads("cuda", torch.float32)
+    else:
+        _, want = _reference_grads()
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got.keys() == want.keys()
         for name in want:
-            torch.testing.assert_close(got[name], want[name], atol=1e-10, rtol=1e-10, msg=lambda m: f"{rank} {name}: {m}")
+            torch.testing.assert_close(got[name], want[name].cpu(), **tol, msg=lambda m: f"{rank} {name}: {m}")
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not built")
+def test_distributed_data_parallel_two_processes_match_one(tmp_path):
+    """Two gloo processes on the CPU, each with half the batch: after DDP's all-reduce every rank holds the
+    single-process gradient of the whole batch."""
+    _check_ddp("gloo", tmp_path, dict(atol=1e-10, rtol=1e-10))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_nccl_available()
+                         and torch.cuda.device_count() >= 2), reason="needs NCCL and two CUDA GPUs")
+def test_distributed_data_parallel_nccl_two_gpus_match_one(tmp_path, monkeypatch):
+    """Two NCCL processes, a GPU each, half the batch each, the Triton kernels in float32: every rank holds the
+    gradient of one process on one GPU with the whole batch, to float32's tolerance (the sums run in another order)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", torch.backends.cudnn.allow_tf32)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", torch.backends.cuda.matmul.allow_tf32)
+    _check_ddp("nccl", tmp_path, TOL)
 
 
 @pytest.mark.parametrize("how", ["checkpointed", "channels_last", "checkpointed+channels_last"])
