@@ -214,6 +214,18 @@ def test_argument_errors_name_the_argument(call, match):
 
 # --- modules -------------------------------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("module,shape,match", [
+    ("DCNv3", (2, 5, 6), "input must be \\[N, H, W, C\\] with C = channels = 12, got shape \\(2, 5, 6\\)"),
+    ("DCNv3", (2, 5, 6, 8), "C = channels = 12, got shape \\(2, 5, 6, 8\\)"),
+    ("DCNv4", (2, 5, 6, 12), "input must be \\[N, L, C\\] with C = channels = 12, got shape \\(2, 5, 6, 12\\)"),
+    ("DCNv4", (2, 30, 8), "C = channels = 12, got shape \\(2, 30, 8\\)"),
+])
+def test_module_input_errors_name_the_layout(module, shape, match):
+    m = getattr(deformconv, module)(channels=12, group=3)
+    with pytest.raises(ValueError, match=match):
+        m(torch.randn(*shape))
+
 DCNV3_KEYS = ["center_feature_scale_proj_bias", "center_feature_scale_proj_weight", "dw_conv.0.bias",
               "dw_conv.0.weight", "dw_conv.1.1.bias", "dw_conv.1.1.weight", "input_proj.bias", "input_proj.weight",
               "mask.bias", "mask.weight", "offset.bias", "offset.weight", "output_proj.bias", "output_proj.weight"]

@@ -66,6 +66,25 @@ def test_compile_inductor_cpu():
     torch.testing.assert_close(compiled(x), net(x), atol=1e-5, rtol=1e-5)
 
 
+def test_compiling_a_layer_gives_no_dynamo_warning(monkeypatch):
+    """Dynamo traces through the backend choice (the autocast rule asks for it) without the warning it gives, once a
+    process, for each functools.lru_cache wrapper it meets ("silent incorrectness is a potential risk")."""
+    import warnings
+
+    from torch._dynamo import utils as dynamo_utils
+
+    monkeypatch.setattr(dynamo_utils, "warn_once_cache", set())  # what Dynamo warned of earlier in this process
+    torch.manual_seed(0)
+    net, x = _Net(), torch.randn(2, 4, 9, 10)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for autocast in (False, True):
+            torch._dynamo.reset()
+            with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+                torch.compile(net, fullgraph=True, backend="eager")(x)
+    assert [str(w.message) for w in caught if "Dynamo" in str(w.message)] == []
+
+
 def test_export_has_one_op_and_runs():
     torch.manual_seed(0)
     net = _Net()

@@ -280,6 +280,39 @@ def test_argument_errors_name_the_argument(change, match):
         deformconv.ms_deform_attn(**change(args))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("change,match", [
+    (lambda a, bf: dict(a, query=a["query"][..., :-1]), "query must be .* got shape"),
+    (lambda a, bf: dict(a, query=a["query"][0]), "query must be .* got shape"),
+    (lambda a, bf: dict(a, value=a["value"][:1] if bf else a["value"][:, :1]), "value must be .* got shape"),
+    (lambda a, bf: dict(a, reference_points=a["reference_points"][:, :, :1]), "reference_points must be .*levels"),
+    (lambda a, bf: dict(a, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool)), "key_padding_mask must be"),
+])
+def test_module_input_errors_name_the_argument(batch_first, change, match):
+    """Shapes checked in the caller's layout ([L, N, C] unless batch_first) before any projection: errors name the
+    argument and its layout instead of a matmul's sizes."""
+    m = deformconv.MultiScaleDeformableAttention(16, num_heads=2, num_levels=2, num_points=2, batch_first=batch_first)
+    shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])
+    q, v = torch.randn(2, 3, 16), torch.randn(2, 26, 16)
+    if not batch_first:
+        q, v = q.transpose(0, 1), v.transpose(0, 1)
+    args = dict(query=q, value=v, reference_points=torch.rand(2, 3, 2, 2), spatial_shapes=shapes,
+                level_start_index=starts)
+    assert m(**args).shape == q.shape
+    with pytest.raises(ValueError, match=match):
+        m(**change(args, batch_first))
+
+
+def test_deformable_detr_module_names_its_own_arguments():
+    m = deformconv.MSDeformAttn(16, n_levels=2, n_heads=2, n_points=2)
+    shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])
+    q, ref, x = torch.randn(2, 3, 16), torch.rand(2, 3, 2, 2), torch.randn(2, 26, 16)
+    with pytest.raises(ValueError, match="input_flatten must be \\[N, S, C\\]"):
+        m(q, ref, x[:1], shapes, starts)
+    with pytest.raises(ValueError, match="input_padding_mask must be \\[N, S\\], here \\[2, 26\\]"):
+        m(q, ref, x, shapes, starts, torch.zeros(2, 25, dtype=torch.bool))
+
+
 def test_module_keys_init_and_definition():
     """mmcv's and Deformable DETR's keys and published initialisation; the forward is the definition written out
     with the naive loops (points and boxes as reference points, a padding mask, mmcv's [L, N, C] layout)."""

@@ -87,12 +87,29 @@ class CpuBackend(Backend):
         return cpu.deform_conv2d_backward(*args)
 
 
-@functools.lru_cache(maxsize=None)
+def traced_through_cache(maxsize: Optional[int] = None):
+    """functools.lru_cache for a choice that torch.compile's Dynamo traces through (the public functions choose a
+    backend while traced). Dynamo calls the function itself, as it would anyway: it ignores an lru_cache wrapper,
+    warning once a process that this may be silently wrong, which a pure choice like these is not; eager calls hit
+    the cache. ``cache_clear`` as lru_cache's."""
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args):
+            return fn(*args) if torch.compiler.is_compiling() else cached(*args)
+
+        call.cache_clear = cached.cache_clear
+        return call
+    return wrap
+
+
+@traced_through_cache()
 def _cuda_capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@functools.lru_cache(maxsize=None)
+@traced_through_cache()
 def _triton_import_error() -> Optional[str]:
     try:
         import triton  # noqa: F401

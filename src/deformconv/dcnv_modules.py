@@ -23,6 +23,14 @@ class _ToChannelsFirst(nn.Module):
         return x.permute(0, 3, 1, 2)
 
 
+def _check_input(input: Tensor, layout: str, channels: int) -> None:
+    """A block's input: len(layout) dimensions (layout names them, e.g. "[N, H, W, C]"), its last of size channels."""
+    dims = layout.count(",") + 1
+    if not isinstance(input, Tensor) or input.dim() != dims or input.shape[-1] != channels:
+        got = f"shape {tuple(input.shape)}" if isinstance(input, Tensor) else type(input).__name__
+        raise ValueError(f"input must be {layout} with C = channels = {channels}, got {got}")
+
+
 def _norm(channels: int, norm_layer: str) -> nn.Sequential:
     """NCHW in, NHWC out, with the source's layer order (its state_dict keys: dw_conv.1.0 for BN, .1.1 for LN)."""
     if norm_layer == "BN":
@@ -115,6 +123,7 @@ class DCNv3(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, input: Tensor) -> Tensor:
+        _check_input(input, "[N, H, W, C]", self.channels)
         n, h, w, _ = input.shape
         x = self.input_proj(input)
         x_proj = x
@@ -196,6 +205,7 @@ class DCNv4(nn.Module):
                 nn.init.zeros_(self.output_proj.bias)
 
     def forward(self, input: Tensor, shape: Optional[Tuple[int, int]] = None) -> Tensor:
+        _check_input(input, "[N, L, C]", self.channels)
         n, length, c = input.shape
         if shape is not None:
             h, w = shape

@@ -9,7 +9,6 @@ runs the same two functions without the custom-op dispatcher.
 
 from __future__ import annotations
 
-import functools
 from typing import List, Optional, Tuple
 
 import torch
@@ -18,7 +17,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 
 from . import config
-from .backends import get_backend, select_backend
+from .backends import get_backend, select_backend, traced_through_cache
 from .checks import check_deform_conv2d_args, geometry_from_tensors, suggest_memory_format
 
 
@@ -27,7 +26,7 @@ def _backend_for(t: Tensor, requested: str):
     return _selected(t.device, t.dtype, requested or None, env)
 
 
-@functools.lru_cache(maxsize=256)
+@traced_through_cache(maxsize=256)
 def _selected(device: torch.device, dtype: torch.dtype, requested: Optional[str], env: tuple):
     """The backend for one (device, dtype, request, environment): chosen once, not at every call. A
     choice that raises is not cached."""

@@ -5,7 +5,7 @@ ops/msda/__init__.py."""
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -154,12 +154,34 @@ def _init_sampling(sampling_offsets: nn.Linear, attention_weights: nn.Linear, va
         nn.init.zeros_(proj.bias)
 
 
+def _check_shape(name: str, t: Tensor, want: tuple, layout: str) -> None:
+    """t's dimensions against want (None: any size); layout names them."""
+    if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != g for w, g in zip(want, t.shape)):
+        got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+        sizes = ", ".join("*" if w is None else str(w) for w in want)
+        raise ValueError(f"{name} must be {layout}, here [{sizes}], got {got}")
+
+
 def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spatial_shapes: Tensor,
-            level_start_index: Tensor, padding_mask: Optional[Tensor]) -> Tensor:
-    """The attention shared by both modules, batch first: [N, Lq, C] queries, [N, S, C] values -> [N, Lq, C]."""
+            level_start_index: Tensor, padding_mask: Optional[Tensor], batch_first: bool = True,
+            names: Tuple[str, str, str] = ("value", "reference_points", "key_padding_mask")) -> Tensor:
+    """The attention shared by both modules: [N, Lq, C] queries, [N, S, C] values -> [N, Lq, C]; without
+    batch_first, [Lq, N, C] and [S, N, C] -> [Lq, N, C]. names: the caller's names of value, reference_points and
+    padding_mask, for its errors."""
+    heads, levels, points = module._heads, module._levels, module._points
+    c_query, c_value = module.sampling_offsets.in_features, module.value_proj.in_features
+    if batch_first:
+        _check_shape("query", query, (None, None, c_query), "[N, Lq, C]")
+        _check_shape(names[0], value, (query.shape[0], None, c_value), "[N, S, C]")
+    else:
+        _check_shape("query", query, (None, None, c_query), "[Lq, N, C] (batch_first=False)")
+        _check_shape(names[0], value, (None, query.shape[1], c_value), "[S, N, C] (batch_first=False)")
+        query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
     n, lq, _ = query.shape
     s = value.shape[1]
-    heads, levels, points = module._heads, module._levels, module._points
+    _check_shape(names[1], reference_points, (n, lq, levels, None), "[N, Lq, levels, 2 or 4]")
+    if padding_mask is not None:
+        _check_shape(names[2], padding_mask, (n, s), "[N, S]")
     value = module.value_proj(value)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
@@ -175,8 +197,8 @@ def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spat
                + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
     else:
         raise ValueError(f"reference_points' last dim must be 2 or 4, got {reference_points.shape[-1]}")
-    out = ms_deform_attn(value, spatial_shapes, level_start_index, loc, attn, module.im2col_step)
-    return module.output_proj(out)
+    out = module.output_proj(ms_deform_attn(value, spatial_shapes, level_start_index, loc, attn, module.im2col_step))
+    return out if batch_first else out.permute(1, 0, 2)
 
 
 class MultiScaleDeformableAttention(nn.Module):
@@ -241,11 +263,8 @@ class MultiScaleDeformableAttention(nn.Module):
             identity = query
         if query_pos is not None:
             query = query + query_pos
-        if not self.batch_first:
-            query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
-        out = _attend(self, query, value, reference_points, spatial_shapes, level_start_index, key_padding_mask)
-        if not self.batch_first:
-            out = out.permute(1, 0, 2)
+        out = _attend(self, query, value, reference_points, spatial_shapes, level_start_index, key_padding_mask,
+                      self.batch_first)
         return self.dropout(out) + identity
 
 
@@ -288,4 +307,4 @@ class MSDeformAttn(nn.Module):
         """query [N, Lq, C]; reference_points [N, Lq, L, 2] or [N, Lq, L, 4]; input_flatten [N, S, C];
         input_padding_mask [N, S] (True: padding). Returns [N, Lq, C]."""
         return _attend(self, query, input_flatten, reference_points, input_spatial_shapes, input_level_start_index,
-                       input_padding_mask)
+                       input_padding_mask, names=("input_flatten", "reference_points", "input_padding_mask"))
