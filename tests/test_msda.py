@@ -285,7 +285,8 @@ def test_argument_errors_name_the_argument(change, match):
     (lambda a, bf: dict(a, query=a["query"][..., :-1]), "query must be .* got shape"),
     (lambda a, bf: dict(a, query=a["query"][0]), "query must be .* got shape"),
     (lambda a, bf: dict(a, value=a["value"][:1] if bf else a["value"][:, :1]), "value must be .* got shape"),
-    (lambda a, bf: dict(a, reference_points=a["reference_points"][:, :, :1]), "reference_points must be .*levels"),
+    (lambda a, bf: dict(a, reference_points=a["reference_points"][:, :, :1].expand(2, 3, 3, 2)),
+     "reference_points must be .*levels"),
     (lambda a, bf: dict(a, key_padding_mask=torch.zeros(2, 3, dtype=torch.bool)), "key_padding_mask must be"),
 ])
 def test_module_input_errors_name_the_argument(batch_first, change, match):
@@ -301,6 +302,18 @@ def test_module_input_errors_name_the_argument(batch_first, change, match):
     assert m(**args).shape == q.shape
     with pytest.raises(ValueError, match=match):
         m(**change(args, batch_first))
+
+
+def test_module_reference_points_and_padding_mask_broadcast_as_in_the_source():
+    """A size of 1 where the source's arithmetic broadcasts (one level's reference points, one image's padding mask)
+    is accepted and gives the expanded tensor's result."""
+    torch.manual_seed(0)
+    m = deformconv.MSDeformAttn(16, n_levels=2, n_heads=2, n_points=2)
+    shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])
+    q, ref, x = torch.randn(2, 3, 16), torch.rand(2, 3, 1, 2), torch.randn(2, 26, 16)
+    pad = torch.rand(1, 26) < 0.3
+    torch.testing.assert_close(m(q, ref, x, shapes, starts, pad),
+                               m(q, ref.expand(2, 3, 2, 2), x, shapes, starts, pad.expand(2, 26)))
 
 
 def test_deformable_detr_module_names_its_own_arguments():

@@ -154,9 +154,11 @@ def _init_sampling(sampling_offsets: nn.Linear, attention_weights: nn.Linear, va
         nn.init.zeros_(proj.bias)
 
 
-def _check_shape(name: str, t: Tensor, want: tuple, layout: str) -> None:
-    """t's dimensions against want (None: any size); layout names them."""
-    if not isinstance(t, Tensor) or t.dim() != len(want) or any(w is not None and w != g for w, g in zip(want, t.shape)):
+def _check_shape(name: str, t: Tensor, want: tuple, layout: str, broadcasts: bool = False) -> None:
+    """t's dimensions against want (None: any size; with broadcasts, 1 too, as the attention's arithmetic
+    broadcasts reference points and the padding mask); layout names them."""
+    if not isinstance(t, Tensor) or t.dim() != len(want) or any(
+            w is not None and w != g and not (broadcasts and g == 1) for w, g in zip(want, t.shape)):
         got = f"shape {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
         sizes = ", ".join("*" if w is None else str(w) for w in want)
         raise ValueError(f"{name} must be {layout}, here [{sizes}], got {got}")
@@ -179,9 +181,9 @@ def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spat
         query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
     n, lq, _ = query.shape
     s = value.shape[1]
-    _check_shape(names[1], reference_points, (n, lq, levels, None), "[N, Lq, levels, 2 or 4]")
+    _check_shape(names[1], reference_points, (n, lq, levels, None), "[N, Lq, levels, 2 or 4]", broadcasts=True)
     if padding_mask is not None:
-        _check_shape(names[2], padding_mask, (n, s), "[N, S]")
+        _check_shape(names[2], padding_mask, (n, s), "[N, S]", broadcasts=True)
     value = module.value_proj(value)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
