@@ -215,6 +215,19 @@ def test_argument_errors_name_the_argument(call, match):
 # --- modules -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("module,shape,kw", [
+    ("DCNv3", (0, 5, 6, 12), dict(center_feature_scale=True, remove_center=True)),
+    ("DCNv4", (0, 30, 12), dict(dw_kernel_size=3, center_feature_scale=True)),
+])
+def test_modules_take_an_empty_batch(module, shape, kw):
+    m = getattr(deformconv, module)(channels=12, group=3, **kw)
+    x = torch.randn(*shape, requires_grad=True)
+    y = m(x, shape=(5, 6)) if module == "DCNv4" else m(x)
+    assert y.shape == x.shape
+    y.sum().backward()
+    assert x.grad.shape == x.shape and all(p.grad is not None and not p.grad.any() for p in m.parameters())
+
+
 @pytest.mark.parametrize("module,shape,match", [
     ("DCNv3", (2, 5, 6), "input must be \\[N, H, W, C\\] with C = channels = 12, got shape \\(2, 5, 6\\)"),
     ("DCNv3", (2, 5, 6, 8), "C = channels = 12, got shape \\(2, 5, 6, 8\\)"),

@@ -1,5 +1,7 @@
 """make_deformable and resnet_stages: which convolutions are replaced, with their weights, and what comes out."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -19,7 +21,13 @@ def _dcn_names(model, cls=deformconv.ModulatedDeformConv2dPack):
 def test_resnet50_stages_as_mmdetection(stages, count):
     """stage_with_dcn picks the 3x3 conv2 of every Bottleneck in the flagged stages (ResNet-50: 3, 4, 6, 3 blocks)."""
     net = torchvision.models.resnet50()
-    deformconv.make_deformable(net, deformconv.resnet_stages(stages))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a selection gives no warning
+        if count:
+            deformconv.make_deformable(net, deformconv.resnet_stages(stages))
+        else:
+            with pytest.warns(UserWarning, match="selected no nn.Conv2d in the ResNet; nothing was changed"):
+                deformconv.make_deformable(net, deformconv.resnet_stages(stages))
     names = _dcn_names(net)
     assert len(names) == count
     assert all(name.endswith(".conv2") for name in names)
@@ -80,6 +88,17 @@ def test_default_predicate_takes_every_3x3_and_only_plain_convs():
     deformconv.make_deformable(model, offset_groups=2)
     assert [type(m).__name__ for m in model] == ["ModulatedDeformConv2dPack", "Conv2d", "MyConv", "Conv2d"]
     assert model[0].offset_groups == 2 and model[0].conv_offset.out_channels == 3 * 2 * 9
+
+
+def test_a_predicate_that_selects_nothing_warns():
+    """resnet_stages on a backbone whose blocks are named otherwise (Detectron2's res3.0.conv2) changes nothing, and
+    says so."""
+    net = nn.Sequential()
+    net.add_module("res3", nn.Sequential(nn.Module()))
+    net.res3[0].conv2 = nn.Conv2d(8, 8, 3, padding=1)
+    with pytest.warns(UserWarning, match="selected no nn.Conv2d in the Sequential"):
+        assert deformconv.make_deformable(net, deformconv.resnet_stages()) is net
+    assert type(net.res3[0].conv2) is nn.Conv2d
 
 
 def test_bad_requests_name_the_layer():

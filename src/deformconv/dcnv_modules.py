@@ -129,7 +129,9 @@ class DCNv3(nn.Module):
         x_proj = x
         x1 = self.dw_conv(input.permute(0, 3, 1, 2))
         offset = self.offset(x1)
-        mask = F.softmax(self.mask(x1).reshape(n, h, w, self.group, -1), -1).reshape(n, h, w, -1).type(x.dtype)
+        points = self.mask.out_features // self.group  # sizes spelled out, not -1: an empty batch reshapes too
+        mask = F.softmax(self.mask(x1).reshape(n, h, w, self.group, points), -1).reshape(n, h, w, self.group * points)
+        mask = mask.type(x.dtype)
         x = dcnv3(x, offset, mask, self.kernel_size, self.kernel_size, self.stride, self.stride, self.pad, self.pad,
                   self.dilation, self.dilation, self.group, self.group_channels, self.offset_scale, 256,
                   bool(self.remove_center))
@@ -214,13 +216,13 @@ class DCNv4(nn.Module):
         if h * w != length:
             raise ValueError(f"input's length {length} is not H*W for shape {(h, w)} (pass shape=(H, W))")
         x = self.value_proj(input) if not self.without_pointwise else input
-        x = x.reshape(n, h, w, -1)
+        x = x.reshape(n, h, w, x.shape[-1])  # sizes spelled out, not -1: an empty batch reshapes too
         if self.dw_kernel_size is not None:
             om_in = self.offset_mask_dw(input.view(n, h, w, c).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(
                 n, length, c)
         else:
             om_in = input
-        offset_mask = self.offset_mask(om_in).reshape(n, h, w, -1)
+        offset_mask = self.offset_mask(om_in).reshape(n, h, w, self.offset_mask.out_features)
         x_proj = x
         x = dcnv4(x, offset_mask, self.kernel_size, self.kernel_size, self.stride, self.stride, self.pad, self.pad,
                   self.dilation, self.dilation, self.group, self.group_channels, self.offset_scale, 256,
@@ -228,5 +230,5 @@ class DCNv4(nn.Module):
         if self.center_feature_scale:
             scale = _center_feature_scale(self, x, self.channels, self.group)
             x = x * (1 - scale) + x_proj * scale
-        x = x.reshape(n, -1, x.shape[-1])
+        x = x.reshape(n, x.shape[1] * x.shape[2], x.shape[-1])
         return self.output_proj(x) if not self.without_pointwise else x

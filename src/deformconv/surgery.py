@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -72,7 +73,7 @@ def make_deformable(model: nn.Module, predicate: Optional[Predicate] = None, *, 
         offset_groups (int): offset fields per layer; must divide each selected layer's input channels. Default: 1.
 
     Returns:
-        nn.Module: ``model``, changed.
+        nn.Module: ``model``, changed. A ``UserWarning`` says so where the predicate selected nothing.
 
     Example::
 
@@ -91,6 +92,9 @@ def make_deformable(model: nn.Module, predicate: Optional[Predicate] = None, *, 
     cls = ModulatedDeformConv2dPack if modulated else DeformConv2dPack
     chosen = [(name, m) for name, m in model.named_modules()
               if type(m) is nn.Conv2d and predicate(name, m)]  # subclasses (quantised, LoRA...) are left alone
+    if not chosen:  # most often a predicate written for other module names (e.g. resnet_stages on res3.0.conv2)
+        warnings.warn(f"make_deformable: the predicate selected no nn.Conv2d in the {type(model).__name__}; "
+                      f"nothing was changed", stacklevel=2)
     for name, conv in chosen:
         if conv.in_channels % offset_groups:
             raise ValueError(f"make_deformable: offset_groups ({offset_groups}) must divide {name}'s in_channels "
