@@ -83,6 +83,19 @@ def test_empty_roi_list_and_empty_input():
     assert empty.shape == (2, 5, 2, 2) and not empty.any()
 
 
+@pytest.mark.parametrize("pack", ["DeformRoIPoolPack", "ModulatedDeformRoIPoolPack"])
+def test_packs_take_no_rois(pack):
+    """An image batch with no proposals (common in detection): an empty output, and zero gradients for the input and
+    every parameter."""
+    x, rois, _ = _case()
+    x = x.float().requires_grad_(True)
+    m = getattr(deformconv, pack)(3, output_channels=x.shape[1], deform_fc_channels=16)
+    out = m(x, rois[:0].float())
+    assert out.shape == (0, x.shape[1], 3, 3)
+    out.sum().backward()
+    assert not x.grad.any() and all(p.grad is not None and not p.grad.any() for p in m.parameters())
+
+
 @pytest.mark.parametrize("rois,match", [
     (torch.tensor([[2.0, 0, 0, 4, 4]]), "batch indices in \\[0, 2\\)"),
     (torch.tensor([[-1.0, 0, 0, 4, 4]]), "batch indices"),

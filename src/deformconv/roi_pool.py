@@ -161,7 +161,7 @@ class DeformRoIPoolPack(DeformRoIPool):
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
         x = self._pooled(input, rois)
-        offset = self.offset_fc(x.reshape(rois.shape[0], -1)).view(rois.shape[0], 2, *self.output_size)
+        offset = self.offset_fc(x.flatten(1)).view(rois.shape[0], 2, *self.output_size)  # flatten: no RoIs work too
         return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
                                self.gamma)
 
@@ -187,7 +187,7 @@ class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
         x = self._pooled(input, rois)
-        flat = x.reshape(rois.shape[0], -1)
+        flat = x.flatten(1)  # not reshape(R, -1): R = 0 RoIs work too
         offset = self.offset_fc(flat).view(rois.shape[0], 2, *self.output_size)
         mask = self.mask_fc(flat).view(rois.shape[0], 1, *self.output_size)
         return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
