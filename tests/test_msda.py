@@ -316,6 +316,20 @@ def test_module_reference_points_and_padding_mask_broadcast_as_in_the_source():
                                m(q, ref.expand(2, 3, 2, 2), x, shapes, starts, pad.expand(2, 26)))
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_module_takes_an_empty_batch(batch_first):
+    m = deformconv.MultiScaleDeformableAttention(16, num_heads=2, num_levels=2, num_points=2, dropout=0.0,
+                                                 batch_first=batch_first)
+    q, v = torch.randn(0, 3, 16, requires_grad=True), torch.randn(0, 26, 16)
+    if not batch_first:
+        q, v = q.transpose(0, 1), v.transpose(0, 1)
+    out = m(q, value=v, reference_points=torch.rand(0, 3, 2, 2), spatial_shapes=torch.tensor([[4, 5], [2, 3]]),
+            level_start_index=torch.tensor([0, 20]))
+    assert out.shape == q.shape
+    out.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in m.parameters())
+
+
 def test_deformable_detr_module_names_its_own_arguments():
     m = deformconv.MSDeformAttn(16, n_levels=2, n_heads=2, n_points=2)
     shapes, starts = torch.tensor([[4, 5], [2, 3]]), torch.tensor([0, 20])

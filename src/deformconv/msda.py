@@ -187,7 +187,7 @@ def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spat
     value = module.value_proj(value)
     if padding_mask is not None:
         value = value.masked_fill(padding_mask[..., None], 0.0)
-    value = value.view(n, s, heads, -1)
+    value = value.view(n, s, heads, value.shape[-1] // heads)  # not -1: an empty batch views too
     offsets = module.sampling_offsets(query).view(n, lq, heads, levels, points, 2)
     attn = module.attention_weights(query).view(n, lq, heads, levels * points).softmax(-1)
     attn = attn.view(n, lq, heads, levels, points)
