@@ -20,13 +20,31 @@ requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0"
                                           reason="Triton kernels on CPU tensors need TRITON_INTERPRET=1")
 
 
+# The README's quick command (`-m "not full"`) leaves these out: the Triton kernels in Triton's CPU interpreter (tests
+# whose name or parameters say triton, interpreter, kernels or planned calls, the kernel modules' own CPU tests under
+# tests/ops/, the compile route's traced kernels), the kernels compiled to machine code, the property tests and the
+# benchmark tools' tests.
+FULL_FILES = ("test_kernels_compile.py", "test_properties.py", "test_properties_family.py", "test_bench_isolate.py",
+              "test_planned_deform_conv2d.py", "test_compile_route.py")
+FULL_WORDS = ("interpreter", "triton", "kernels", "planned", "half_error", "bench")
+
+
+def _full_only(item) -> bool:
+    callspec = getattr(item, "callspec", None)
+    words = item.name if callspec is None else f"{item.originalname}[{callspec.id}]"
+    return ("/tests/ops/" in item.path.as_posix() or item.path.name in FULL_FILES
+            or any(word in words for word in FULL_WORDS))
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests skipped by requires_cuda carry the cuda marker too, as the GPU-only modules do (`-m cuda` selects them
-    all)."""
+    all); the whole suite's tests beyond the quick command's carry the full marker."""
     for item in items:
         if any(m.name == "skipif" and m.kwargs.get("reason") == requires_cuda.kwargs["reason"]
                for m in item.iter_markers()):
             item.add_marker(pytest.mark.cuda)
+        if _full_only(item):
+            item.add_marker(pytest.mark.full)
 
 
 def pytest_xdist_auto_num_workers(config):

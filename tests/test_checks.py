@@ -144,7 +144,7 @@ def test_dcnv_checks_after_a_good_call():
     offset, mask = torch.randn(1, 5, 6, 2 * 9 * 2), torch.rand(1, 5, 6, 2 * 9)
     args = [3, 3, 1, 1, 1, 1, 1, 1, 2, 3, 1.0, False]
     deformconv.dcnv3(x, offset, mask, *args)
-    with pytest.raises(ValueError, match="stride_h"):
+    with pytest.raises(TypeError, match="stride_h"):
         deformconv.dcnv3(x, offset, mask, *args[:2], True, *args[3:])
     with pytest.raises(ValueError, match="offset must have shape"):
         deformconv.dcnv3(x, offset[..., :-2], mask, *args)
@@ -166,10 +166,14 @@ def test_forced_backend_that_cannot_run_says_why(monkeypatch):
 
 def test_environment_variable_selects_backend(monkeypatch):
     monkeypatch.setenv("DEFORMCONV_BACKEND", "nope")
-    with pytest.raises(ValueError, match=r"backend must be one of"):
+    with pytest.raises(ValueError, match=r"DEFORMCONV_BACKEND must be one of \['auto', 'cpu', 'reference', 'triton'\] "
+                                         r"\(or unset\), got 'nope'"):
         _call()
-    monkeypatch.setenv("DEFORMCONV_BACKEND", "reference")
-    assert deformconv.select_backend(torch.device("cpu"), torch.float32) == "reference"
+    for name in ("reference", "cpu"):
+        monkeypatch.setenv("DEFORMCONV_BACKEND", name)
+        assert deformconv.select_backend(torch.device("cpu"), torch.float32) == name
+    monkeypatch.setenv("DEFORMCONV_BACKEND", "auto")
+    assert deformconv.select_backend(torch.device("cpu"), torch.float32) == "cpu"
 
 
 def test_reasons_are_listed_per_backend():
@@ -241,3 +245,57 @@ def test_triton_launches_on_the_tensors_device(monkeypatch):
     on_device_of(SimpleNamespace(is_cuda=True, get_device=lambda: 0))
     on_device_of(SimpleNamespace(is_cuda=False, get_device=lambda: -1))
     assert entered == [1]
+
+
+# Module constructors: a bad setting raises at construction, naming it, as the functions' checks do (not later, in
+# forward, from deep inside torch). (class, good keyword arguments, the bad one, exception, message)
+_PACK = dict(in_channels=4, out_channels=6, kernel_size=3)
+_POOL = dict(output_size=3, output_channels=4, deform_fc_channels=8)
+_PS = dict(spatial_scale=0.5, pooled_size=3, output_dim=4, no_trans=True)
+MODULE_CASES = [
+    ("DeformConv2d", _PACK, dict(stride=-1), ValueError, r"stride must be positive, got \(-1, -1\)"),
+    ("DeformConv2dPack", _PACK, dict(padding=(1, -2)), ValueError, r"padding must be non-negative, got \(1, -2\)"),
+    ("ModulatedDeformConv2dPack", _PACK, dict(stride=-1), ValueError, r"stride must be positive"),
+    ("ModulatedDeformConv2dPack", _PACK, dict(dilation=0), ValueError, r"dilation must be positive"),
+    ("ModulatedDeformConv2dPack", _PACK, dict(kernel_size=0), ValueError, r"kernel_size must be positive"),
+    ("ModulatedDeformConv2dPack", _PACK, dict(groups=0), ValueError, r"groups must be an int >= 1, got 0"),
+    ("ModulatedDeformConv2dPack", _PACK, dict(in_channels=4.0), TypeError, r"in_channels must be an int >= 1"),
+    ("DeformConv2dPack", _PACK, dict(offset_groups=-2), ValueError, r"offset_groups must be an int >= 1, got -2"),
+    ("DCNv3", dict(channels=16, group=2), dict(stride=0), ValueError, r"stride must be an int >= 1, got 0"),
+    ("DCNv3", dict(channels=16, group=2), dict(pad=-1), ValueError, r"pad must be an int >= 0, got -1"),
+    ("DCNv3", dict(channels=16, group=2), dict(dilation=0), ValueError, r"dilation must be an int >= 1"),
+    ("DCNv3", dict(channels=16, group=2), dict(group=0), ValueError, r"group must be an int >= 1, got 0"),
+    ("DCNv3", dict(channels=16, group=2), dict(dw_kernel_size=0), ValueError, r"dw_kernel_size must be an int >= 1"),
+    ("DCNv4", dict(channels=16, group=2), dict(kernel_size=0), ValueError, r"kernel_size must be an int >= 1"),
+    ("DCNv4", dict(channels=16, group=2), dict(offset_scale="1"), TypeError, r"offset_scale must be a number"),
+    ("DCNv4", dict(channels=16, group=2), dict(stride=-1), ValueError, r"stride must be an int >= 1, got -1"),
+    ("MultiScaleDeformableAttention", dict(embed_dims=32, num_heads=4), dict(num_points=0), ValueError,
+     r"num_points must be an int >= 1, got 0"),
+    ("MultiScaleDeformableAttention", dict(embed_dims=32, num_heads=4), dict(num_heads=0), ValueError,
+     r"num_heads must be an int >= 1, got 0"),
+    ("MultiScaleDeformableAttention", dict(embed_dims=32, num_heads=4), dict(dropout=1.5), ValueError,
+     r"dropout must be a probability in \[0, 1\], got 1.5"),
+    ("MultiScaleDeformableAttention", dict(embed_dims=32, num_heads=4), dict(value_proj_ratio=0.01), ValueError,
+     r"embed_dims \* value_proj_ratio \(0\) must be divisible by num_heads"),
+    ("MSDeformAttn", dict(d_model=32, n_heads=4), dict(n_levels=0), ValueError, r"n_levels must be an int >= 1, got 0"),
+    ("MSDeformAttn", dict(d_model=32, n_heads=4), dict(n_heads=0), ValueError, r"n_heads must be an int >= 1, got 0"),
+    ("DeformRoIPool", dict(output_size=3), dict(output_size=(3, 0)), ValueError, r"output_size must be positive"),
+    ("DeformRoIPool", dict(output_size=3), dict(sampling_ratio=-1), ValueError, r"sampling_ratio must be an int >= 0"),
+    ("DeformRoIPool", dict(output_size=3), dict(spatial_scale=0.0), ValueError,
+     r"spatial_scale must be a finite positive number, got 0.0"),
+    ("DeformRoIPoolPack", _POOL, dict(output_channels=0), ValueError, r"output_channels must be an int >= 1"),
+    ("ModulatedDeformRoIPoolPack", _POOL, dict(deform_fc_channels=0), ValueError,
+     r"deform_fc_channels must be an int >= 1, got 0"),
+    ("DeformPSRoIPooling", _PS, dict(group_size=0), ValueError, r"group_size must be an int >= 1, got 0"),
+    ("DeformPSRoIPooling", _PS, dict(sample_per_part=0), ValueError, r"sample_per_part must be an int >= 1"),
+    ("DeformPSRoIPooling", _PS, dict(trans_std=float("nan")), ValueError, r"trans_std must be a finite number"),
+]
+
+
+@pytest.mark.parametrize("name, good, bad, exc, match", MODULE_CASES,
+                         ids=[f"{c[0]}-{next(iter(c[2]))}" for c in MODULE_CASES])
+def test_module_constructors_check_their_arguments(name, good, bad, exc, match):
+    cls = getattr(deformconv, name)
+    cls(**good)  # the good settings build
+    with pytest.raises(exc, match=match):
+        cls(**{**good, **bad})

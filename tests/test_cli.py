@@ -26,9 +26,37 @@ def test_demo_tiny_end_to_end(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "| plain |" in text and "| DCNv2 |" in text
+    # --no-progress hides the bars only: each epoch's line stays
+    assert " plain epoch 1/1: train loss " in text and " DCNv2 epoch 1/1: train loss " in text
     for name in ("sampling_locations.png", "training_curves.png"):
         w, h = _png_size(out / name)
         assert w > 100 and h > 100
+
+
+def test_demo_curves_tick_whole_epochs(tmp_path, capsys, monkeypatch):
+    plt = pytest.importorskip("matplotlib.pyplot")
+    figures, close = [], plt.close
+    monkeypatch.setattr(plt, "close", lambda fig=None: (figures.append(fig), close(fig)))
+    main(["demo", "--epochs", "3", "--size", "16", "--train", "32", "--test", "16", "--width", "4",
+          "--device", "cpu", "--no-progress", "--out", str(tmp_path)])
+    curves = figures[-1]
+    for ax in curves.axes:
+        lo, hi = ax.get_xlim()
+        ticks = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_demo_redirected_to_a_file_draws_no_bars(tmp_path):
+    """Bars are for a terminal: redirected, the output is the epoch lines and the table, not tqdm's redraws."""
+    pytest.importorskip("matplotlib")
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        proc = subprocess.run([sys.executable, "-m", "deformconv", "demo", "--epochs", "2", "--size", "16", "--train",
+                               "96", "--test", "32", "--width", "4", "--batch", "16", "--device", "cpu", "--out",
+                               str(tmp_path)], stdout=out, stderr=err, timeout=300)
+    assert proc.returncode == 0
+    text, errors = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    assert "DCNv2 epoch 2/2" in text and "it/s" not in text + errors
+    assert len(text) + len(errors) < 4000, len(text) + len(errors)
 
 
 def test_demo_is_deterministic_for_a_seed(tmp_path, capsys):
@@ -54,7 +82,7 @@ def test_info_prints_versions_and_backend_table(capsys, monkeypatch):
     assert main(["info"]) == 0
     text = capsys.readouterr().out
     assert "torch" in text and "deformconv" in text
-    assert "cpu      float64    cpu        " in text and "reference: can run too (backend='reference')" in text
+    assert "cpu      float64    cpu        " in text and "reference: can run, with backend='reference'" in text
     assert "DEFORMCONV_FAST_LAUNCH=0: `0`: every kernel launch goes through Triton's JIT call path" in text
     assert "cpu      bfloat16   cpu                      reference" in text  # the other ops' backends
 

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import deformconv
-from conftest import make_case, requires_cuda, requires_interpreter
+from conftest import assert_close, make_case, requires_cuda, requires_interpreter
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -87,8 +87,7 @@ def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last,
     """A modulated layer's eager forward takes its offset conv's output into one autograd node (split and op:
     functional.modulated_from_offset_conv); where that does not apply, the split is one node (split_offset_mask)
     beside the op's. Both give the output and every gradient of torch's own slices and sigmoid; offset_and_mask's
-    split node too, also where only the mask or only the offset is used. Exactly on the CPU; on a GPU within rounding
-    (grad_input's float atomics add in any order)."""
+    split node too, also where only the mask or only the offset is used, within the dtype's rounding."""
     if backend == "triton" and autocast:
         pytest.skip("bfloat16 under Triton's interpreter runs on the cpu backend")
     monkeypatch.setenv("DEFORMCONV_BACKEND", backend)
@@ -121,10 +120,12 @@ def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last,
     _, split = run(lambda *args: None, split_node)
     _, plain = run(lambda *args: None, lambda out, n_off: None)
     assert split[1].is_contiguous() and split[2].is_contiguous()
-    exact = dict(atol=0, rtol=0) if device == "cpu" else {}
-    for a, b, c in zip(fused, split, plain):
-        torch.testing.assert_close(a, c, **exact)
-        torch.testing.assert_close(b, c, **exact)
+    # Within rounding, not bitwise: the paths hand the offset conv gradients laid out differently, and a CPU GEMM
+    # picks its blocking by layout and thread count (a channels-last case differed by 3e-8 in 19 of 300 elements);
+    # on a GPU grad_input's float atomics add in any order.
+    for i, (a, b, c) in enumerate(zip(fused, split, plain)):
+        assert_close(a, c, a.dtype, f"one node, result {i}")
+        assert_close(b, c, b.dtype, f"split node, result {i}")
 
 
 def test_modulated_pack_one_node_takes_the_offset_convs_output():

@@ -121,6 +121,10 @@ def test_clear_errors(tmp_path):
     x = torch.randn(1, 8, 9, 9)
     with pytest.raises(ValueError, match="opset must be >= 19"):
         deformconv.onnx.export(layer, (x,), tmp_path / "old.onnx", opset=18)
+    with pytest.raises(ValueError, match="opset must be >= 19"):  # torch.onnx.export's name for it
+        deformconv.onnx.export(layer, (x,), tmp_path / "old.onnx", opset_version=17)
+    with pytest.raises(ValueError, match="opset and opset_version name the same setting"):
+        deformconv.onnx.export(layer, (x,), tmp_path / "both.onnx", opset=20, opset_version=19)
     pool = deformconv.DeformRoIPool(2, spatial_scale=0.5).eval()  # adaptive sampling
     rois = torch.tensor([[0, 1.0, 1.0, 8.0, 8.0]])
     with pytest.raises(Exception, match="sampling_ratio=0 cannot be exported to ONNX: each bin then takes"):

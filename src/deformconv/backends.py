@@ -109,13 +109,10 @@ def _cuda_capability(index: int) -> Tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-@traced_through_cache()
 def _triton_import_error() -> Optional[str]:
-    try:
-        import triton  # noqa: F401
-    except Exception as e:  # pragma: no cover - depends on the install
-        return f"triton is not importable ({type(e).__name__}: {e})"
-    return None
+    from .compat import TRITON_IMPORT_ERROR
+
+    return TRITON_IMPORT_ERROR
 
 
 def triton_interpret_mode() -> bool:
@@ -240,6 +237,9 @@ def select_backend(device: torch.device, dtype: torch.dtype, requested: Optional
         if requested == "auto":
             requested = None
         else:
+            if source != "backend=" and requested not in BACKENDS:
+                raise ValueError(f"{ENV_VAR} must be one of {['auto', *sorted(BACKENDS)]} (or unset), got "
+                                 f"{requested!r}")
             reasons = get_backend(requested).not_supported_reasons(device, dtype)
             if reasons:
                 raise RuntimeError(

@@ -55,6 +55,36 @@ def pair(value: IntPair, name: str) -> Tuple[int, int]:
     return (operator.index(items[0]), operator.index(items[1]))
 
 
+def int_at_least(value, name: str, minimum: int = 1) -> int:
+    """value as an int, which must be one (not bool) and at least minimum: the modules' constructor arguments and the
+    ops' integer settings."""
+    if isinstance(value, bool) or not hasattr(value, "__index__") or isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__} {value!r}")
+    value = operator.index(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return value
+
+
+def pair_at_least(value: IntPair, name: str, minimum: int) -> Tuple[int, int]:
+    """pair(value, name) whose two ints are at least minimum (1: positive, 0: non-negative), with the message the
+    functions' checks give."""
+    p = pair(value, name)
+    if min(p) < minimum:
+        raise ValueError(f"{name} must be {'positive' if minimum == 1 else 'non-negative'}, got {p}")
+    return p
+
+
+def real_number(value, name: str, positive: bool = False) -> float:
+    """value as a float: an int or float (not bool), finite, and > 0 where positive."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if value != value or value in (float("inf"), float("-inf")) or (positive and value <= 0):
+        raise ValueError(f"{name} must be a finite{' positive' if positive else ''} number, got {value!r}")
+    return value
+
+
 def _check_tensor(t: Tensor, name: str, ndim: int, shape_doc: str) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")

@@ -3,6 +3,9 @@
 Feature detection where a feature can be probed (host-side TMA descriptors); otherwise one named
 :class:`CodegenProfile` per Triton whose code generation differs, passed to the kernels as constexpr arguments
 (never read from globals inside a kernel). docs/tuning.md has the measurements behind each spelling.
+
+Triton is optional: PyTorch's CPU, macOS and Windows wheels ship none. Without it ``triton`` is None here, the
+Triton backends say so in ``not_supported_reasons``, and nothing imports a kernel module.
 """
 
 from __future__ import annotations
@@ -10,18 +13,29 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-import triton
-
 from .config import options
+
+try:
+    import triton
+except ModuleNotFoundError:  # CPU, macOS and Windows wheels of PyTorch: the reference and CPU backends only
+    triton = None
+    TRITON_IMPORT_ERROR = "Triton is not installed"
+except Exception as error:  # pragma: no cover - a broken install: the CPU paths still work
+    triton = None
+    TRITON_IMPORT_ERROR = f"Triton is not importable ({type(error).__name__}: {error})"
+else:
+    TRITON_IMPORT_ERROR = None
 
 try:  # host-side TMA descriptors
     from triton.tools.tensor_descriptor import TensorDescriptor
-except ImportError:  # pragma: no cover - an older Triton: every tile is read through pointers
+except Exception:  # no Triton, or an older one: every tile is read through pointers
     TensorDescriptor = None
 
 
 def triton_version() -> Tuple[int, int]:
-    """(major, minor) of the Triton in use: "3.8.0" or "3.8.0+git1234" -> (3, 8)."""
+    """(major, minor) of the Triton in use: "3.8.0" or "3.8.0+git1234" -> (3, 8); (0, 0) without Triton."""
+    if triton is None:
+        return 0, 0
     major, minor = (triton.__version__.split(".") + ["0"])[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 

@@ -10,15 +10,10 @@ from torch import Tensor
 
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once
+from .checks import int_at_least
 from .eager import autocasting, run_eager, run_planned
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels
-
-
-def _positive(value, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
 
 
 def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group,
@@ -28,11 +23,11 @@ def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, 
                          f"{tuple(input.shape) if isinstance(input, Tensor) else type(input).__name__}")
     if not input.is_floating_point():
         raise TypeError(f"input must be a floating-point tensor, got {input.dtype}")
-    kh, kw = _positive(kernel_h, "kernel_h"), _positive(kernel_w, "kernel_w")
-    sh, sw = _positive(stride_h, "stride_h"), _positive(stride_w, "stride_w")
-    ph, pw = _positive(pad_h, "pad_h", 0), _positive(pad_w, "pad_w", 0)
-    dh, dw = _positive(dilation_h, "dilation_h"), _positive(dilation_w, "dilation_w")
-    g, d = _positive(group, "group"), _positive(group_channels, "group_channels")
+    kh, kw = int_at_least(kernel_h, "kernel_h"), int_at_least(kernel_w, "kernel_w")
+    sh, sw = int_at_least(stride_h, "stride_h"), int_at_least(stride_w, "stride_w")
+    ph, pw = int_at_least(pad_h, "pad_h", 0), int_at_least(pad_w, "pad_w", 0)
+    dh, dw = int_at_least(dilation_h, "dilation_h"), int_at_least(dilation_w, "dilation_w")
+    g, d = int_at_least(group, "group"), int_at_least(group_channels, "group_channels")
     if input.shape[3] != g * d:
         raise ValueError(f"input's last dim must be group * group_channels = {g} * {d} = {g * d} (NHWC), got "
                          f"{input.shape[3]} (input {tuple(input.shape)})")

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checks import int_at_least, real_number
 from .dcnv import dcnv3, dcnv4
 
 
@@ -29,6 +30,21 @@ def _check_input(input: Tensor, layout: str, channels: int) -> None:
     if not isinstance(input, Tensor) or input.dim() != dims or input.shape[-1] != channels:
         got = f"shape {tuple(input.shape)}" if isinstance(input, Tensor) else type(input).__name__
         raise ValueError(f"input must be {layout} with C = channels = {channels}, got {got}")
+
+
+def _check_settings(channels, kernel_size, dw_kernel_size, stride, pad, dilation, group, offset_scale,
+                    remove_center) -> None:
+    """The blocks' constructor arguments, checked as dcnv3/dcnv4 check theirs (naming the argument)."""
+    channels, group = int_at_least(channels, "channels"), int_at_least(group, "group")
+    if channels % group != 0:
+        raise ValueError(f"channels must be a positive multiple of group ({group}), got {channels}")
+    kernel_size = int_at_least(kernel_size, "kernel_size")
+    if dw_kernel_size is not None:
+        int_at_least(dw_kernel_size, "dw_kernel_size")
+    int_at_least(stride, "stride"), int_at_least(pad, "pad", 0), int_at_least(dilation, "dilation")
+    real_number(offset_scale, "offset_scale")
+    if remove_center and kernel_size % 2 == 0:
+        raise ValueError(f"remove_center needs an odd kernel_size, got {kernel_size}")
 
 
 def _norm(channels: int, norm_layer: str) -> nn.Sequential:
@@ -91,10 +107,8 @@ class DCNv3(nn.Module):
                  act_layer: str = "GELU", norm_layer: str = "LN", center_feature_scale: bool = False,
                  remove_center: bool = False):
         super().__init__()
-        if channels <= 0 or group <= 0 or channels % group != 0:
-            raise ValueError(f"channels must be a positive multiple of group ({group}), got {channels}")
-        if remove_center and kernel_size % 2 == 0:
-            raise ValueError(f"remove_center needs an odd kernel_size, got {kernel_size}")
+        _check_settings(channels, kernel_size, dw_kernel_size, stride, pad, dilation, group, offset_scale,
+                        remove_center)
         dw_kernel_size = dw_kernel_size if dw_kernel_size is not None else kernel_size
         self.channels, self.kernel_size, self.dw_kernel_size = channels, kernel_size, dw_kernel_size
         self.stride, self.pad, self.dilation, self.group = stride, pad, dilation, group
@@ -174,10 +188,8 @@ class DCNv4(nn.Module):
                  center_feature_scale: bool = False, remove_center: bool = False, output_bias: bool = True,
                  without_pointwise: bool = False, **kwargs):
         super().__init__()
-        if channels <= 0 or group <= 0 or channels % group != 0:
-            raise ValueError(f"channels must be a positive multiple of group ({group}), got {channels}")
-        if remove_center and kernel_size % 2 == 0:
-            raise ValueError(f"remove_center needs an odd kernel_size, got {kernel_size}")
+        _check_settings(channels, kernel_size, dw_kernel_size, stride, pad, dilation, group, offset_scale,
+                        remove_center)
         self.channels, self.kernel_size, self.stride, self.pad = channels, kernel_size, stride, pad
         self.dilation, self.group, self.group_channels = dilation, group, channels // group
         self.offset_scale, self.dw_kernel_size = offset_scale, dw_kernel_size

@@ -260,11 +260,13 @@ def _decomposition(traced_impl, input_index: int, backend_index: int):
 def _register_decompositions() -> None:
     deform_conv2d_op.register_torch_dispatch(FunctionalTensorMode, _decomposition(_traced_forward, 0, 8))
     deform_conv2d_backward_op.register_torch_dispatch(FunctionalTensorMode, _decomposition(_traced_backward, 1, 9))
-    try:  # the kernels the decompositions launch, for torch's compile caches (compat.register_op_kernels)
-        from .compat import register_op_kernels
-        from .ops.deform_conv2d import launched_kernels
-    except ImportError:  # no Triton: nothing decomposes
+    from .compat import register_op_kernels, triton
+
+    if triton is None:  # no Triton: nothing decomposes
         return
+    from .ops.deform_conv2d import launched_kernels
+
+    # the kernels the decompositions launch, for torch's compile caches (compat.register_op_kernels)
     kernels = launched_kernels()
     register_op_kernels("deformconv::deform_conv2d", kernels)
     register_op_kernels("deformconv::deform_conv2d_backward", kernels)

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from .checks import IntPair, pair
+from .checks import IntPair, int_at_least, pair, pair_at_least
 from .eager import fast_path_ok, split_offset_mask
 from .functional import deform_conv2d, deform_conv2d_script, modulated_from_offset_conv
 
@@ -56,16 +56,18 @@ class DeformConv2d(nn.Module):
         bias: bool = True,
     ):
         super().__init__()
-        if in_channels <= 0 or in_channels % groups != 0:
+        in_channels, out_channels = int_at_least(in_channels, "in_channels"), int_at_least(out_channels, "out_channels")
+        groups = int_at_least(groups, "groups")
+        if in_channels % groups != 0:
             raise ValueError(f"in_channels must be a positive multiple of groups ({groups}), got {in_channels}")
-        if out_channels <= 0 or out_channels % groups != 0:
+        if out_channels % groups != 0:
             raise ValueError(f"out_channels must be a positive multiple of groups ({groups}), got {out_channels}")
         self.in_channels = in_channels
         self.out_channels = out_channels
-        self.kernel_size = pair(kernel_size, "kernel_size")
-        self.stride = pair(stride, "stride")
-        self.padding = pair(padding, "padding")
-        self.dilation = pair(dilation, "dilation")
+        self.kernel_size = pair_at_least(kernel_size, "kernel_size", 1)
+        self.stride = pair_at_least(stride, "stride", 1)
+        self.padding = pair_at_least(padding, "padding", 0)
+        self.dilation = pair_at_least(dilation, "dilation", 1)
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, *self.kernel_size))
         if bias:
@@ -126,7 +128,8 @@ class _PackBase(DeformConv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
         if deform_groups is not None:
             offset_groups = deform_groups
-        if offset_groups <= 0 or in_channels % offset_groups != 0:
+        offset_groups = int_at_least(offset_groups, "offset_groups")
+        if in_channels % offset_groups != 0:
             raise ValueError(
                 f"in_channels ({in_channels}) must be divisible by offset_groups, got offset_groups={offset_groups}"
             )

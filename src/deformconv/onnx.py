@@ -240,7 +240,7 @@ def _roi_pool_as_grid_sample(op, input, rois, offset, output_size, spatial_scale
 
 
 def export(model: torch.nn.Module, args: tuple, path: str | os.PathLike, *, opset: int = OPSET,
-           dynamic_shapes: Any = None, check: bool = True, **kwargs) -> Any:
+           dynamic_shapes: Any = None, check: bool = True, opset_version: Optional[int] = None, **kwargs) -> Any:
     r"""Export a model using deformconv to an ONNX file, its deformable convolutions as standard ``DeformConv`` nodes.
 
     Args:
@@ -248,6 +248,8 @@ def export(model: torch.nn.Module, args: tuple, path: str | os.PathLike, *, opse
         args (tuple): example inputs.
         path (str or PathLike): the ``.onnx`` file to write.
         opset (int): the ONNX opset, at least 19 (the first with DeformConv). Default: 19.
+        opset_version (int, optional): the same, by ``torch.onnx.export``'s name for it; give one of the two.
+            Default: ``None``.
         dynamic_shapes: as ``torch.onnx.export``'s (e.g. ``({0: "batch", 2: "h", 3: "w"},)``). Default: ``None``.
         check (bool): run ``onnx.checker.check_model`` on the file (needs the onnx package). Default: ``True``.
         kwargs: passed to ``torch.onnx.export``.
@@ -262,6 +264,11 @@ def export(model: torch.nn.Module, args: tuple, path: str | os.PathLike, *, opse
         >>> path = os.path.join(tempfile.mkdtemp(), "dcn.onnx")
         >>> _ = deformconv.onnx.export(net, (torch.randn(1, 4, 16, 16),), path)  # doctest: +SKIP
     """
+    if opset_version is not None:
+        if opset != OPSET and opset != opset_version:
+            raise ValueError(f"opset and opset_version name the same setting: give one, got opset={opset!r} and "
+                             f"opset_version={opset_version!r}")
+        opset = opset_version
     if not isinstance(opset, int) or opset < OPSET:
         raise ValueError(f"opset must be >= {OPSET} (the first ONNX opset with DeformConv), got {opset!r}")
     table = dict(kwargs.pop("custom_translation_table", None) or {})

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
 from .backends import ROI_BACKENDS, op_backend_name
+from .checks import int_at_least, pair_at_least, real_number
 from .eager import run_eager
 from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool
 
@@ -107,10 +108,10 @@ class DeformRoIPool(nn.Module):
 
     def __init__(self, output_size, spatial_scale: float = 1.0, sampling_ratio: int = 0, gamma: float = 0.1):
         super().__init__()
-        self.output_size = _pair(output_size)
-        self.spatial_scale = float(spatial_scale)
-        self.sampling_ratio = int(sampling_ratio)
-        self.gamma = float(gamma)
+        self.output_size = pair_at_least(output_size, "output_size", 1)
+        self.spatial_scale = real_number(spatial_scale, "spatial_scale", positive=True)
+        self.sampling_ratio = int_at_least(sampling_ratio, "sampling_ratio", 0)
+        self.gamma = real_number(gamma, "gamma")
 
     def forward(self, input: Tensor, rois: Tensor, offset: Optional[Tensor] = None) -> Tensor:
         return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
@@ -149,8 +150,8 @@ class DeformRoIPoolPack(DeformRoIPool):
     def __init__(self, output_size, output_channels: int, deform_fc_channels: int = 1024, spatial_scale: float = 1.0,
                  sampling_ratio: int = 0, gamma: float = 0.1):
         super().__init__(output_size, spatial_scale, sampling_ratio, gamma)
-        self.output_channels = output_channels
-        self.deform_fc_channels = deform_fc_channels
+        self.output_channels = int_at_least(output_channels, "output_channels")
+        self.deform_fc_channels = int_at_least(deform_fc_channels, "deform_fc_channels")
         bins = self.output_size[0] * self.output_size[1]
         self.offset_fc = _fc_stack(bins * output_channels, deform_fc_channels, bins * 2, 3)
 
@@ -280,10 +281,13 @@ class DeformPSRoIPooling(nn.Module):
     def __init__(self, spatial_scale: float, pooled_size: int, output_dim: int, no_trans: bool, group_size: int = 1,
                  part_size: Optional[int] = None, sample_per_part: int = 4, trans_std: float = 0.0):
         super().__init__()
-        self.spatial_scale, self.pooled_size, self.output_dim = float(spatial_scale), pooled_size, output_dim
-        self.no_trans, self.group_size = no_trans, group_size
-        self.part_size = pooled_size if part_size is None else part_size
-        self.sample_per_part, self.trans_std = sample_per_part, float(trans_std)
+        self.spatial_scale = real_number(spatial_scale, "spatial_scale", positive=True)
+        self.pooled_size = int_at_least(pooled_size, "pooled_size")
+        self.output_dim = int_at_least(output_dim, "output_dim")
+        self.no_trans, self.group_size = bool(no_trans), int_at_least(group_size, "group_size")
+        self.part_size = self.pooled_size if part_size is None else int_at_least(part_size, "part_size")
+        self.sample_per_part = int_at_least(sample_per_part, "sample_per_part")
+        self.trans_std = real_number(trans_std, "trans_std")
 
     def forward(self, input: Tensor, rois: Tensor, offset: Optional[Tensor] = None) -> Tensor:
         return deform_psroi_pool(input, rois, offset, self.spatial_scale, self.pooled_size, self.output_dim,

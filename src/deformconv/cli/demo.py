@@ -165,8 +165,9 @@ def train(name, net, data, epochs, batch, lr, device, seed, progress=True) -> Re
     t0 = time.perf_counter()
     for epoch in range(epochs):
         perm = torch.randperm(len(xtr), generator=gen).to(device)
+        # disable=None: tqdm draws bars on a terminal only (redirected to a file, they would fill it with redraws)
         bar = tqdm(range(0, len(xtr), batch), desc=f"{name:>6} epoch {epoch + 1}/{epochs}", leave=False,
-                   disable=not progress, ncols=80)
+                   disable=None if progress else True, ncols=80)
         total = 0.0
         for i in bar:
             idx = perm[i:i + batch]
@@ -179,8 +180,7 @@ def train(name, net, data, epochs, batch, lr, device, seed, progress=True) -> Re
             bar.set_postfix(loss=f"{loss.item():.3f}")
         losses.append(total / len(xtr))
         accs.append(evaluate(net, xte, yte)[0])
-        if progress:
-            print(f"{name:>6} epoch {epoch + 1}/{epochs}: train loss {losses[-1]:.3f}, test accuracy {accs[-1]:.1%}")
+        print(f"{name:>6} epoch {epoch + 1}/{epochs}: train loss {losses[-1]:.3f}, test accuracy {accs[-1]:.1%}")
     seconds = time.perf_counter() - t0
     acc, test_loss = evaluate(net, xte, yte)
     return Result(name, n_params(net), losses, accs, test_loss, seconds)
@@ -232,6 +232,7 @@ def draw_figures(out_dir, dcn, plain_result, dcn_result, xte, yte, device):
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     os.makedirs(out_dir, exist_ok=True)
     k = 4
@@ -264,6 +265,7 @@ def draw_figures(out_dir, dcn, plain_result, dcn_result, xte, yte, device):
     a1.set(xlabel="epoch", ylabel="train loss", title="training loss")
     a2.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
     for a in (a1, a2):
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))  # whole epochs
         a.grid(alpha=0.3)
         a.legend()
     fig.tight_layout()
@@ -287,7 +289,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="data, init and order seed (default: 0)")
     parser.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--out", default="deformconv-demo", help="folder for the PNGs (default: ./deformconv-demo/)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (they are drawn on a terminal only)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get(name):
             print(f"{name}={os.environ[name]}: {var.effect}")
     print()
-    print(f"{'device':<8} {'dtype':<10} {'backend':<10} why others cannot run")
+    print(f"{'device':<8} {'dtype':<10} {'backend':<10} the other backends")
     for d in devices:
         for dt in DTYPES:
             reasons = not_supported_reasons(d, dt)
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                 chosen = select_backend(d, dt)
             except RuntimeError:
                 chosen = "none"
-            why = "; ".join(f"{b}: {', '.join(r) if r else 'can run too (backend=' + repr(b) + ')'}"
+            why = "; ".join(f"{b}: {'cannot run: ' + ', '.join(r) if r else 'can run, with backend=' + repr(b)}"
                             for b, r in reasons.items() if b != chosen)
             print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {chosen:<10} {why}")
     print()
