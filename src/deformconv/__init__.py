@@ -9,7 +9,7 @@ from .backends import not_supported_reasons, select_backend
 from .dcnv import (DCNv3Function, DCNv4Function, dcnv3, dcnv3_to_dcnv4, dcnv3_to_deform_conv2d, dcnv4,
                    dcnv4_to_dcnv3)
 from .dcnv_modules import DCNv3, DCNv4
-from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn
+from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn, ms_deform_attn_v2
 from .roi_pool import (DeformPSRoIPooling, DeformRoIPool, DeformRoIPoolPack, ModulatedDeformRoIPoolPack,
                        deform_psroi_pool, deform_roi_pool)
 from .functional import deform_conv2d, deform_conv2d_script
@@ -35,6 +35,7 @@ __all__ = [
     "dcnv4_to_dcnv3",
     "dcnv3_to_deform_conv2d",
     "ms_deform_attn",
+    "ms_deform_attn_v2",
     "MultiScaleDeformableAttention",
     "MSDeformAttn",
     "deform_roi_pool",

@@ -5,13 +5,13 @@ ops/msda/__init__.py."""
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
 
 from .backends import op_backend_name, select_op_backend
-from .checks import check_once
+from .checks import check_once, int_at_least, real_number
 from .eager import run_eager, run_planned
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
@@ -82,12 +82,20 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
         >>> deformconv.ms_deform_attn(value, shapes, starts, loc, attn).shape
         torch.Size([2, 30, 256])
     """
-    out = _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend)
+    return _attention(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, True)
+
+
+def _attention(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor, sampling_locations: Tensor,
+               attention_weights: Tensor, backend: Optional[str], tile_value: bool) -> Tensor:
+    """ms_deform_attn; tile_value: the levels must tile value's S pixels one after another (checked where the shape
+    tensors are on the CPU), else they may overlap (ms_deform_attn_v2's levels of one point each)."""
+    out = _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend,
+                   tile_value)
     if out is not None:
         return out
     check_once("ms_deform_attn", (value, spatial_shapes, level_start_index, sampling_locations, attention_weights),
                lambda: _check_args(value, spatial_shapes, level_start_index, sampling_locations, attention_weights))
-    if spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read: check the levels
+    if tile_value and spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read
         _check_levels(spatial_shapes, level_start_index, value.shape[1])
     args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
             attention_weights, op_backend_name(backend))
@@ -107,7 +115,146 @@ def _check_levels(spatial_shapes: Tensor, level_start_index: Tensor, s: int) -> 
         raise ValueError(f"level_start_index must be each level's start {starts}, got {level_start_index.tolist()}")
 
 
-def _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend):
+# --- per-level point counts (RT-DETRv2, D-FINE, DEIMv2) -------------------------------------------------------
+
+METHODS = ("default", "discrete")
+
+
+def ms_deform_attn_v2(value: Tensor, spatial_shapes, sampling_locations: Tensor, attention_weights: Tensor,
+                      num_points_list: Sequence[int], method: str = "default", *,
+                      level_start_index: Optional[Tensor] = None, backend: Optional[str] = None) -> Tensor:
+    r"""Multi-scale deformable attention with a number of points of its own per level (RT-DETRv2's
+    ``multi_scale_deformable_attention_v2``, with its arguments in its order).
+
+    Args:
+        value (Tensor[N, S, M, D]): the levels' value maps flattened and concatenated, S = sum of H_l * W_l.
+        spatial_shapes (Tensor[L, 2] or sequence of (H_l, W_l)): the levels' sizes (int64 on value's device, or
+            Python ints).
+        sampling_locations (Tensor[N, Lq, M, T, 2]): (x, y), 0..1 across the point's level; T = sum of
+            num_points_list, level 0's points first.
+        attention_weights (Tensor[N, Lq, M, T]).
+        num_points_list (sequence of int): P_l, the points of each level (each >= 1).
+        method (str): ``"default"``: bilinear, zeros outside the level (``grid_sample(align_corners=False)``);
+            ``"discrete"``: the nearest pixel, ``(x * W_l + 0.5)`` truncated to an int in the locations' dtype and
+            clamped to the level, as transformers computes it (no gradient for the locations). Default: ``"default"``.
+        level_start_index (Tensor[L], optional, keyword-only): where each level starts in S. Default: from
+            spatial_shapes.
+        backend (str, optional, keyword-only): as :func:`ms_deform_attn`'s, for ``"default"``; ``"discrete"`` is
+            a gather of PyTorch's on every device. Default: ``None``.
+
+    Returns:
+        Tensor[N, Lq, M * D] in value's dtype.
+
+    Example::
+
+        >>> import torch, deformconv
+        >>> value = torch.randn(2, 80 + 20, 8, 32)
+        >>> loc, attn = torch.rand(2, 30, 8, 4 + 2, 2), torch.rand(2, 30, 8, 4 + 2).softmax(-1)
+        >>> deformconv.ms_deform_attn_v2(value, [(8, 10), (4, 5)], loc, attn, [4, 2]).shape
+        torch.Size([2, 30, 256])
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}, got {method!r}")
+    if not isinstance(value, Tensor) or value.dim() != 4:
+        raise ValueError(f"value must be a tensor [N, S, M, D], got "
+                         f"{tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__}")
+    counts = tuple(int_at_least(p, f"num_points_list[{i}]") for i, p in enumerate(num_points_list))
+    levels = _level_table(spatial_shapes, level_start_index, counts, value.device)
+    n, _, m, d = value.shape
+    t = sum(counts)
+    if not isinstance(sampling_locations, Tensor) or sampling_locations.dim() != 5 or tuple(
+            sampling_locations.shape[i] for i in (0, 2, 3, 4)) != (n, m, t, 2):
+        raise _shape_error("sampling_locations", f"[{n}, Lq, {m}, {t}, 2]", sampling_locations)
+    if levels.pixels not in (-1, value.shape[1]):
+        raise ValueError(f"spatial_shapes' levels must cover value's S = {value.shape[1]} pixels, got "
+                         f"{[tuple(hw) for hw in levels.shapes.tolist()]} ({levels.pixels})")
+    lq = sampling_locations.shape[1]
+    if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, t):
+        raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {t}]", attention_weights)
+    for name, x in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
+        if not x.is_floating_point() or x.device != value.device:
+            raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {x.dtype} "
+                            f"on {x.device}")
+    if method == "discrete":
+        return _discrete(value, sampling_locations, attention_weights, levels)
+    if len(set(counts)) == 1:  # the same count at every level: the levels as they are
+        p = counts[0]
+        return _attention(value, levels.shapes, levels.starts, sampling_locations.reshape(n, lq, m, len(counts), p, 2),
+                          attention_weights.reshape(n, lq, m, len(counts), p), backend, levels.from_user)
+    # Every point its own level of one point (the level's size and start repeated): the same sums, point by point,
+    # with nothing padded to the largest count.
+    return _attention(value, levels.point_shapes, levels.point_starts, sampling_locations.reshape(n, lq, m, t, 1, 2),
+                      attention_weights.reshape(n, lq, m, t, 1), backend, False)
+
+
+class _Levels(NamedTuple):
+    shapes: Tensor        # int64 [L, 2] on value's device
+    starts: Tensor        # int64 [L]
+    point_shapes: Tensor  # int64 [T, 2]: each point's level's (H, W)
+    point_starts: Tensor  # int64 [T]
+    from_user: bool       # shapes are the caller's tensor (its levels checked as ms_deform_attn checks them)
+    pixels: int           # S the sizes cover, from Python sizes (-1 for the caller's tensor)
+
+
+_LEVEL_TABLES: Dict[tuple, _Levels] = {}
+
+
+def _level_table(spatial_shapes, level_start_index: Optional[Tensor], counts: Tuple[int, ...],
+                 device: torch.device) -> _Levels:
+    """The levels as tensors on value's device: the caller's tensors indexed per point, or, from Python sizes, built
+    once a (sizes, counts, device) and kept (constants: a copy to the GPU a call would cost more than the kernels)."""
+    if isinstance(spatial_shapes, Tensor):
+        if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] != len(counts):
+            raise _shape_error("spatial_shapes", f"[{len(counts)}, 2] (a level a count of num_points_list)",
+                               spatial_shapes)
+        shapes = spatial_shapes.to(device=device, dtype=torch.int64)
+        if level_start_index is None:
+            sizes = shapes[:, 0] * shapes[:, 1]
+            level_start_index = sizes.cumsum(0) - sizes
+        starts = level_start_index.to(device=device, dtype=torch.int64)
+        per_point = torch.tensor([lvl for lvl, p in enumerate(counts) for _ in range(p)], device=device)
+        return _Levels(shapes, starts, shapes[per_point], starts[per_point], True, -1)
+    try:
+        sizes = tuple((int(h), int(w)) for h, w in spatial_shapes)
+    except (TypeError, ValueError):
+        raise TypeError(f"spatial_shapes must be a tensor [L, 2] or a sequence of (H, W) pairs, got "
+                        f"{spatial_shapes!r}") from None
+    if len(sizes) != len(counts):
+        raise ValueError(f"num_points_list must have a count per level ({len(sizes)}), got {list(counts)}")
+    key = (sizes, counts, device)
+    table = None if torch.compiler.is_compiling() else _LEVEL_TABLES.get(key)
+    if table is None:
+        starts = [sum(h * w for h, w in sizes[:i]) for i in range(len(sizes))]
+        point = [lvl for lvl, p in enumerate(counts) for _ in range(p)]
+        table = _Levels(torch.tensor(sizes, dtype=torch.int64, device=device),
+                        torch.tensor(starts, dtype=torch.int64, device=device),
+                        torch.tensor([sizes[i] for i in point], dtype=torch.int64, device=device).reshape(-1, 2),
+                        torch.tensor([starts[i] for i in point], dtype=torch.int64, device=device), False,
+                        sum(h * w for h, w in sizes))
+        if not torch.compiler.is_compiling():
+            if len(_LEVEL_TABLES) >= 64:
+                _LEVEL_TABLES.clear()
+            _LEVEL_TABLES[key] = table
+    return table
+
+
+def _discrete(value: Tensor, loc: Tensor, attn: Tensor, levels: _Levels) -> Tensor:
+    """The discrete method: each point reads the one pixel (x·W + 0.5, y·H + 0.5) truncated to ints, in the locations'
+    dtype, and clamped to its level (transformers' arithmetic); the attention-weighted sum over points."""
+    n, s, m, d = value.shape
+    lq, t = loc.shape[1], loc.shape[3]
+    wh = levels.point_shapes.flip(-1)  # [T, 2]: (W, H), int64: the product takes the locations' dtype
+    xy = (loc.detach() * wh + 0.5).to(torch.int64)
+    x = torch.minimum(xy[..., 0].clamp_min(0), wh[:, 0] - 1)
+    y = torch.minimum(xy[..., 1].clamp_min(0), wh[:, 1] - 1)
+    pixel = levels.point_starts + y * wh[:, 0] + x  # [N, Lq, M, T]
+    index = pixel.permute(0, 2, 1, 3).reshape(n, m, lq * t, 1).expand(n, m, lq * t, d)
+    sampled = torch.gather(value.permute(0, 2, 1, 3), 2, index).view(n, m, lq, t, d)
+    out = (sampled * attn.permute(0, 2, 1, 3)[..., None]).sum(3)  # [N, M, Lq, D]
+    return out.permute(0, 2, 1, 3).reshape(n, lq, m * d).to(value.dtype)
+
+
+def _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, tile_value):
     """ms_deform_attn through its call signature's Call of the Triton kernels (ops/msda/triton.py; eager.run_planned),
     or None where the call takes the general path (eager.run_planned says when; also shape tensors not int64, empty
     inputs, another backend). The locations keep their dtype under autocast, as the op's rule has it."""
@@ -115,7 +262,7 @@ def _planned(value, spatial_shapes, level_start_index, sampling_locations, atten
         return None
     tensors = [value, spatial_shapes, level_start_index, sampling_locations, attention_weights]
     levels = None
-    if isinstance(spatial_shapes, Tensor) and spatial_shapes.is_cpu:  # read at every call: contents, not signature
+    if tile_value and isinstance(spatial_shapes, Tensor) and spatial_shapes.is_cpu:  # contents: read at every call
         levels = lambda: _check_levels(spatial_shapes, level_start_index, value.shape[1])  # noqa: E731
     return run_planned("msda_eager", tensors, (backend,), lambda t: _new_call(t, backend), keep=(3,), each_call=levels)
 
@@ -230,10 +377,16 @@ class MultiScaleDeformableAttention(nn.Module):
                  im2col_step: int = 64, dropout: float = 0.1, batch_first: bool = False, norm_cfg=None,
                  init_cfg=None, value_proj_ratio: float = 1.0):
         super().__init__()
+        embed_dims, num_heads = int_at_least(embed_dims, "embed_dims"), int_at_least(num_heads, "num_heads")
+        num_levels, num_points = int_at_least(num_levels, "num_levels"), int_at_least(num_points, "num_points")
+        im2col_step = int_at_least(im2col_step, "im2col_step")
+        if not 0.0 <= real_number(dropout, "dropout") <= 1.0:
+            raise ValueError(f"dropout must be a probability in [0, 1], got {dropout!r}")
+        real_number(value_proj_ratio, "value_proj_ratio", positive=True)
         if embed_dims % num_heads != 0:
             raise ValueError(f"embed_dims must be divisible by num_heads, got {embed_dims} and {num_heads}")
         value_size = int(embed_dims * value_proj_ratio)
-        if value_size % num_heads != 0:
+        if value_size <= 0 or value_size % num_heads != 0:
             raise ValueError(f"embed_dims * value_proj_ratio ({value_size}) must be divisible by num_heads "
                              f"({num_heads})")
         self.embed_dims, self.num_heads = embed_dims, num_heads
@@ -289,6 +442,8 @@ class MSDeformAttn(nn.Module):
 
     def __init__(self, d_model: int = 256, n_levels: int = 4, n_heads: int = 8, n_points: int = 4):
         super().__init__()
+        d_model, n_heads = int_at_least(d_model, "d_model"), int_at_least(n_heads, "n_heads")
+        n_levels, n_points = int_at_least(n_levels, "n_levels"), int_at_least(n_points, "n_points")
         if d_model % n_heads != 0:
             raise ValueError(f"d_model must be divisible by n_heads, but got {d_model} and {n_heads}")
         self.im2col_step = 64

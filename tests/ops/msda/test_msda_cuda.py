@@ -87,3 +87,31 @@ def test_module_trains_in_bf16():
         opt.zero_grad()
         losses.append(loss.item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("method", ["default", "discrete"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("counts", [(3, 1, 2), (4, 4, 4), (5, 9, 1, 2)], ids=str)
+def test_v2_points_per_level_against_the_reference(counts, dtype, method):
+    """ms_deform_attn_v2 on the Triton kernels (each level with points of its own count: every point a level of its
+    own; the same count: the levels as they are) against its float64 reference, output and gradients (discrete:
+    value and weights only)."""
+    levels = [(31, 47), (16, 24), (8, 12), (3, 5)][:len(counts)]
+    gen = torch.Generator(device="cuda").manual_seed(len(counts))
+    n, lq, m, d, t = 2, 123, 8, 32, sum(counts)
+    value = torch.randn(n, sum(h * w for h, w in levels), m, d, device="cuda", generator=gen, dtype=torch.float64)
+    loc = torch.rand(n, lq, m, t, 2, device="cuda", generator=gen, dtype=torch.float64) * 1.2 - 0.1
+    attn = torch.rand(n, lq, m, t, device="cuda", generator=gen, dtype=torch.float64)
+    gout = torch.randn(n, lq, m * d, device="cuda", generator=gen, dtype=torch.float64)
+    results = {}
+    for backend, work in (("triton", dtype), ("reference", torch.float64)):
+        leaves = [value.to(dtype).to(work), loc.float().to(torch.float64 if work == torch.float64 else torch.float32),
+                  attn.to(dtype).to(work)]
+        leaves = [x.requires_grad_(True) for x in leaves]
+        out = deformconv.ms_deform_attn_v2(leaves[0], levels, leaves[1], leaves[2], counts, method, backend=backend)
+        need = leaves if method == "default" else [leaves[0], leaves[2]]
+        results[backend] = [out, *torch.autograd.grad(out, need, gout.to(out.dtype))]
+    names = ("output", "grad_value", "grad_locations", "grad_attention") if method == "default" else (
+        "output", "grad_value", "grad_attention")
+    for what, a, b in zip(names, results["triton"], results["reference"]):
+        assert_close(a, b, dtype, what)

@@ -1,0 +1,280 @@
+"""deformconv.integrations.transformers: every transformers family with multi-scale deformable attention, patched,
+against transformers' own path in float64 (outputs and every parameter's gradient, train and eval mode, batch 1 and
+2), with transformers' own attention code made to raise during the patched run, so that a silent fallback fails.
+
+Tiny models from their configs (tests/_hf_models.py), nothing downloaded (HF_HUB_OFFLINE=1)."""
+
+import copy
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+transformers = pytest.importorskip("transformers")
+
+import _hf_models as models  # noqa: E402
+import deformconv  # noqa: E402
+from conftest import TOL, assert_close  # noqa: E402
+from deformconv.integrations import transformers as integration  # noqa: E402
+
+CASES = [(family, {}) for family in models.FAMILIES] + [
+    ("rt_detr_v2", {"decoder_method": "discrete"}),
+    ("d_fine", {"decoder_method": "discrete"}),
+]
+IDS = [family + "".join(f"-{k}={v}" for k, v in overrides.items()).replace(" ", "") for family, overrides in CASES]
+
+
+ZERO = 1e-6  # a gradient this small against the model's largest is zero up to cancellation
+
+
+def _fallback(*args, **kwargs):
+    raise AssertionError("transformers' own multi-scale deformable attention ran in a patched model")
+
+
+def _disable_transformers_attention(monkeypatch, model) -> None:
+    """transformers' attention functions and MultiScaleDeformableAttention.forward raise from here on."""
+    for m in model.modules():
+        cls = type(m)
+        module = sys.modules[cls.__module__]
+        if cls.__name__ == integration.MODULE_CLASS:
+            monkeypatch.setattr(cls, "forward", _fallback)
+        for name in integration.FUNCTIONS:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, _fallback)
+
+
+def _float_tensors(out) -> list:
+    """Every floating tensor of a model output, in order (nested tuples and ModelOutputs flattened)."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.is_floating_point() else []
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (list, tuple)):
+        return [t for item in out for t in _float_tensors(item)]
+    return []
+
+
+def _step(model, family: str, batch: int, train: bool):
+    """Outputs and every parameter's gradient of a random linear function of all outputs (seeded: dropout and the
+    function's weights the same in every run)."""
+    model.train(train)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    outputs = _float_tensors(model(**models.inputs(family, batch)))
+    g = torch.Generator().manual_seed(7)
+    loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outputs)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [t.detach() for t in outputs], grads
+
+
+def _model(family: str, **overrides):
+    """The family's tiny model in float64, its sampling offsets moved off their initial whole-pixel pattern: at a whole
+    pixel the bilinear sample's derivative has a jump, and which side each path takes is rounding's choice (a trained
+    model's points lie anywhere)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = models.build(family, **overrides).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sampling_offsets" in name:
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("family, overrides", CASES, ids=IDS)
+def test_patched_model_matches_transformers(family, overrides, monkeypatch):
+    base = _model(family, **overrides)
+    # each run on a fresh copy: batch norms' running statistics and OmDet-Turbo's text cache start the same
+    runs = [(b, t) for b in (1, 2) for t in (False, True)]
+    expected = {run: _step(copy.deepcopy(base), family, *run) for run in runs}
+    patched = [integration.patch(copy.deepcopy(base)) for _ in runs]
+    assert integration.patched(patched[0]), "nothing patched"
+    _disable_transformers_attention(monkeypatch, base)
+    for model, ((batch, train), (want_out, want_grads)) in zip(patched, expected.items()):
+        got_out, got_grads = _step(model, family, batch, train)
+        what = f"{family} batch {batch} {'train' if train else 'eval'}"
+        assert len(got_out) == len(want_out) > 0, what
+        for i, (a, b) in enumerate(zip(got_out, want_out)):
+            assert_close(a, b, torch.float64, f"{what}: output {i}")
+        assert set(got_grads) == set(want_grads), what
+        assert want_grads, what
+        # Each gradient within float64's tolerance of the largest gradient of the model. Some are zero by the
+        # algebra (a bias just before a normalisation): what either path computes for those is the residue of a sum
+        # that cancels, whose terms can be far larger than any gradient; such a gradient (under ZERO of the largest
+        # on transformers' path) must be as small on ours.
+        scale = max(g.abs().max().item() for g in want_grads.values())
+        atol, rtol = TOL[torch.float64]
+        for name, grad in want_grads.items():
+            got = got_grads[name]
+            assert not torch.isnan(got).any(), f"{what}: NaN in grad of {name}"
+            if grad.abs().max() < ZERO * scale:
+                assert got.abs().max() < ZERO * scale, f"{what}: grad of {name} is zero on transformers' path"
+                continue
+            torch.testing.assert_close(got, grad, atol=atol * scale, rtol=rtol,
+                                       msg=lambda m: f"{what}: grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("method", ["default", "discrete"])
+@pytest.mark.parametrize("counts", [(3, 1, 2), (2, 2, 2), (1,)], ids=str)
+def test_v2_function_matches_transformers(method, counts):
+    """ms_deform_attn_v2 against transformers' multi_scale_deformable_attention_v2 itself, levels with points of
+    their own count (the models of transformers 5.23 fail on such configs before reaching the attention), odd level
+    sizes, locations also outside [0, 1]; output and gradients in float64."""
+    from transformers.models.rt_detr_v2.modeling_rt_detr_v2 import multi_scale_deformable_attention_v2 as theirs
+
+    g = torch.Generator().manual_seed(sum(counts))
+    sizes = [(7, 9), (4, 5), (3, 2)][:len(counts)]
+    n, lq, m, d, t = 2, 5, 3, 4, sum(counts)
+    value = torch.randn(n, sum(h * w for h, w in sizes), m, d, generator=g, dtype=torch.float64)
+    loc = torch.rand(n, lq, m, t, 2, generator=g, dtype=torch.float64) * 1.4 - 0.2
+    attn = torch.rand(n, lq, m, t, generator=g, dtype=torch.float64)
+    leaves = [x.requires_grad_() for x in (value, loc, attn)]
+    want = theirs(value, sizes, loc, attn, list(counts), method)
+    grad_out = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    need = leaves if method == "default" else [value, attn]  # discrete: no gradient for the locations
+    want_grads = torch.autograd.grad(want, need, grad_out)
+    for backend in ("reference", "cpu"):
+        got = deformconv.ms_deform_attn_v2(value, sizes, loc, attn, counts, method, backend=backend)
+        assert_close(got, want, torch.float64, f"{backend} output")
+        names = ("value", "loc", "attn") if method == "default" else ("value", "attn")
+        for a, b, name in zip(torch.autograd.grad(got, need, grad_out), want_grads, names):
+            assert_close(a, b, torch.float64, f"{backend} grad of {name}")
+    shapes = torch.tensor(sizes)  # the levels as a tensor too
+    assert_close(deformconv.ms_deform_attn_v2(value, shapes, loc, attn, counts, method), want, torch.float64, "")
+
+
+def test_v2_function_checks_its_arguments():
+    value, loc, attn = torch.randn(1, 20, 2, 4), torch.rand(1, 3, 2, 5, 2), torch.rand(1, 3, 2, 5)
+    with pytest.raises(ValueError, match="method must be one of \\['default', 'discrete'\\], got 'nearest'"):
+        deformconv.ms_deform_attn_v2(value, [(4, 5)], loc, attn, [5], "nearest")
+    with pytest.raises(ValueError, match="num_points_list must have a count per level \\(1\\), got \\[2, 3\\]"):
+        deformconv.ms_deform_attn_v2(value, [(4, 5)], loc, attn, [2, 3])
+    with pytest.raises(ValueError, match="num_points_list\\[0\\] must be an int >= 1, got 0"):
+        deformconv.ms_deform_attn_v2(value, [(4, 5)], loc, attn, [0])
+    with pytest.raises(ValueError, match="spatial_shapes' levels must cover value's S = 20 pixels"):
+        deformconv.ms_deform_attn_v2(value, [(4, 4)], loc, attn, [5])
+    with pytest.raises(ValueError, match="sampling_locations must have shape \\[1, Lq, 2, 5, 2\\]"):
+        deformconv.ms_deform_attn_v2(value, [(4, 5)], loc[..., :4, :], attn, [5])
+    with pytest.raises(ValueError, match="attention_weights must have shape \\[1, 3, 2, 5\\]"):
+        deformconv.ms_deform_attn_v2(value, [(4, 5)], loc, attn[..., :4], [5])
+    empty = deformconv.ms_deform_attn_v2(value[:0], [(4, 5)], loc[:0], attn[:0], [5])
+    assert empty.shape == (0, 3, 8)
+
+
+def test_patch_is_idempotent_and_unpatch_restores(monkeypatch):
+    model = models.build("deformable_detr").double().eval()
+    sites = integration.patched(integration.patch(model))
+    # encoder self-attention and decoder cross-attention of each layer
+    assert len(sites) == 3 and all(s.endswith(".attn") for s in sites), sites
+    assert integration.patched(integration.patch(model, backend="reference")) == sites
+    assert model.model.encoder.layers[0].self_attn.attn.__dict__["_deformconv_backend"] == "reference"
+    integration.unpatch(model)
+    assert integration.patched(model) == []
+    state = model.state_dict()
+    integration.patch(model)
+    assert model.state_dict().keys() == state.keys()  # nothing of the model's own changes
+    integration.unpatch(model)
+    for family in ("rt_detr_v2", "d_fine", "mask2former"):  # the other three shapes: a global, an attribute
+        m = models.build(family)
+        assert integration.patched(integration.patch(m))
+        assert integration.patched(integration.unpatch(m)) == []
+
+
+def test_patch_warns_where_there_is_nothing_to_patch():
+    with pytest.warns(UserWarning, match=r"nothing to patch in Sequential: looked for a module "
+                                         r"MultiScaleDeformableAttention"):
+        integration.patch(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match="model must be an nn.Module, got str"):
+        integration.patch("SenseTime/deformable-detr")
+
+
+def test_enable_covers_models_built_afterwards(monkeypatch):
+    """enable(): classes and module functions replaced, so a model built afterwards runs on deformconv (and matches
+    transformers' path); disable() gives transformers back."""
+    families = ("deformable_detr", "rt_detr_v2", "d_fine", "mask2former")
+    expected = {}
+    for family in families:
+        model = models.build(family).double().eval()
+        expected[family] = _step(model, family, 2, False)
+    integration.enable()
+    try:
+        assert integration.enabled()
+        for family in families:
+            model = models.build(family).double().eval()
+            assert integration.patched(model), family
+            got = _step(model, family, 2, False)
+            for a, b in zip(got[0], expected[family][0]):
+                assert_close(a, b, torch.float64, family)
+    finally:
+        integration.disable()
+    assert not integration.enabled()
+    for family in families:
+        assert integration.patched(models.build(family)) == [], family
+
+
+def test_import_deformconv_imports_no_transformers():
+    import subprocess
+
+    code = "import sys, deformconv, deformconv.integrations; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+GPU_CASES = [("deformable_detr", {}), ("rt_detr", {}), ("rt_detr_v2", {"decoder_method": "discrete"}),
+             ("d_fine", {}), ("grounding_dino", {}), ("mask2former", {}), ("oneformer", {})]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "autocast-bf16"])
+@pytest.mark.parametrize("family, overrides", GPU_CASES, ids=[c[0] + "-" + "".join(c[1]) for c in GPU_CASES])
+def test_patched_model_on_the_gpu(family, overrides, dtype, monkeypatch):
+    """On the Triton kernels: the patched model in fp32 and under bf16 autocast against transformers' own path in the
+    same precision (TF32 off), outputs and every gradient within the dtype's tolerance, transformers' attention
+    raising during the patched run."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    base = _model(family, **overrides).float().cuda()
+    runs = {}
+    for path in ("transformers", "deformconv"):
+        model = copy.deepcopy(base)
+        if path == "deformconv":
+            integration.patch(model)
+            _disable_transformers_attention(monkeypatch, base)
+        model.train(True)
+        torch.manual_seed(5)
+        args = {k: v.cuda().float() if v.is_floating_point() else v.cuda()
+                for k, v in models.inputs(family, 2, torch.float32).items()}
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+            outputs = _float_tensors(model(**args))
+        g = torch.Generator(device="cuda").manual_seed(7)
+        sum((t.float() * torch.randn(t.shape, generator=g, device="cuda")).sum() for t in outputs).backward()
+        runs[path] = ([t.detach().float() for t in outputs],
+                      {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None})
+    (want_out, want_grads), (got_out, got_grads) = runs["transformers"], runs["deformconv"]
+    for i, (a, b) in enumerate(zip(got_out, want_out)):
+        assert_close(a, b, dtype, f"output {i}")
+    scale = max(g.abs().max().item() for g in want_grads.values())
+    atol, rtol = TOL[dtype]
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, atol=atol * scale, rtol=rtol,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("family", ["deformable_detr", "mask2former"])
+def test_patched_model_compiles(family):
+    """torch.compile over a patched model (the module's forward replaced; a forward rebound to read deformconv's
+    function: Dynamo keeps its compiled code in the module's globals, which the rebound forward must share)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = models.build(family).eval()
+        args = models.inputs(family, 2, torch.float32)
+        want = _float_tensors(model(**args))
+        got = _float_tensors(torch.compile(integration.patch(model), backend="aot_eager")(**args))
+    assert len(got) == len(want)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_close(a, b, torch.float32, f"output {i}")
