@@ -299,3 +299,59 @@ def test_module_constructors_check_their_arguments(name, good, bad, exc, match):
     cls(**good)  # the good settings build
     with pytest.raises(exc, match=match):
         cls(**{**good, **bad})
+
+
+def _op_calls():
+    """One call of each op on small CPU inputs, by name."""
+    x, offset, mask = torch.randn(1, 5, 6, 12), torch.randn(1, 5, 6, 54), torch.rand(1, 5, 6, 27)
+    value, loc, attn = torch.randn(1, 30, 2, 4), torch.rand(1, 3, 2, 1, 2, 2), torch.rand(1, 3, 2, 1, 2)
+    feat, rois = torch.randn(1, 18, 10, 10), torch.tensor([[0, 1.0, 2.0, 9.0, 11.0]])
+    return {
+        "dcnv3": lambda: deformconv.dcnv3(x, offset, mask, 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0),
+        "dcnv4": lambda: deformconv.dcnv4(x, torch.randn(1, 5, 6, 88), 3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0),
+        "ms_deform_attn": lambda: deformconv.ms_deform_attn(value, torch.tensor([[5, 6]]), torch.tensor([0]), loc,
+                                                            attn),
+        "deform_roi_pool": lambda: deformconv.deform_roi_pool(feat, rois, None, 3, 0.5),
+        "deform_psroi_pool": lambda: deformconv.deform_psroi_pool(feat, rois, None, 0.5, 3, 2, True, group_size=3),
+    }
+
+
+@pytest.mark.parametrize("op", ["dcnv3", "dcnv4", "ms_deform_attn", "deform_roi_pool", "deform_psroi_pool"])
+def test_environment_variable_selects_every_ops_backend(op, monkeypatch):
+    """DEFORMCONV_BACKEND forces the backend of every op, as it does deform_conv2d's: the implementation that runs is
+    the one named (RoI pooling, which has no cpu backend, takes cpu as its reference: its CPU path); a bad value and
+    a backend that cannot run raise naming the variable."""
+    from deformconv.ops.dcnv3 import op as dcnv_op
+    from deformconv.ops.msda import op as msda_op
+    from deformconv.ops.roi_pool import op as roi_op
+
+    owner, name = {"dcnv3": (dcnv_op, "_impl"), "dcnv4": (dcnv_op, "_impl"), "ms_deform_attn": (msda_op, "_impl"),
+                   "deform_roi_pool": (roi_op, "_impl"), "deform_psroi_pool": (roi_op, "_ps_impl")}[op]
+    real, ran = getattr(owner, name), []
+
+    def spy(*args):
+        impl = real(*args)
+        ran.append(impl.__name__.rsplit(".", 1)[-1])
+        return impl
+
+    monkeypatch.setattr(owner, name, spy)
+    call = _op_calls()[op]
+    roi = op.startswith("deform_")
+    for forced, expected in (("reference", "reference"), ("cpu", "reference" if roi else "cpu"),
+                             (None, "reference" if roi else "cpu")):
+        if forced is None:
+            monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("DEFORMCONV_BACKEND", forced)
+        ran.clear()
+        call()
+        module = "ps_reference" if op == "deform_psroi_pool" else expected  # its reference's module
+        assert ran and set(ran) == {module}, (forced, ran)
+    monkeypatch.setenv("DEFORMCONV_BACKEND", "nope")
+    with pytest.raises(ValueError, match="DEFORMCONV_BACKEND must be one of"):
+        call()
+    monkeypatch.setenv("DEFORMCONV_BACKEND", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(deformconv.backends, "triton_interpret_mode", lambda: False)
+    with pytest.raises(RuntimeError, match="DEFORMCONV_BACKEND='triton': 'triton' cannot run on device cpu"):
+        call()

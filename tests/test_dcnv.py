@@ -212,6 +212,26 @@ def test_argument_errors_name_the_argument(call, match):
         call(x, offset, mask)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_mask_in_internimages_layouts(backend):
+    """The mask as [N, Ho, Wo, G, K] (DCNv4's published test scripts pass DCNv3's so; InternImage's CUDA op reads
+    it by pointer) gives what [N, Ho, Wo, G*K] gives, gradient included in that layout; other layouts still raise."""
+    torch.manual_seed(0)
+    x, offset = torch.randn(2, 5, 6, 12), torch.randn(2, 5, 6, 54)
+    mask = torch.rand(2, 5, 6, 3, 9, requires_grad=True)
+    args = (3, 3, 1, 1, 1, 1, 1, 1, 3, 4, 1.0)
+    out = deformconv.dcnv3(x, offset, mask, *args, backend=backend)
+    flat = mask.detach().reshape(2, 5, 6, 27).requires_grad_(True)
+    torch.testing.assert_close(out, deformconv.dcnv3(x, offset, flat, *args, backend=backend), rtol=0, atol=0)
+    out.square().sum().backward()
+    deformconv.dcnv3(x, offset, flat, *args, backend=backend).square().sum().backward()
+    assert mask.grad.shape == mask.shape
+    torch.testing.assert_close(mask.grad.reshape(2, 5, 6, 27), flat.grad)
+    with pytest.raises(ValueError, match=r"mask must have shape \[2, 5, 6, 27\] or \[2, 5, 6, 3, 9\], got "
+                                         r"\(2, 5, 6, 9, 3\)"):
+        deformconv.dcnv3(x, offset, mask.detach().transpose(3, 4), *args)
+
+
 # --- modules -------------------------------------------------------------------------------------------
 
 

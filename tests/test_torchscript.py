@@ -4,6 +4,7 @@ runs in a fresh process that imports deformconv."""
 import subprocess
 import sys
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -53,6 +54,33 @@ def test_scripted_deform_conv2d_with_and_without_mask():
     torch.testing.assert_close(f(x, offset, d.weight, d.bias, [1, 1], [1, 1], [1, 1], mask), d(x, offset, mask))
     with pytest.raises(RuntimeError, match=r"ValueError: offset.shape\[1\] must be 2\*offset_groups\*kh\*kw .* got 10"):
         scripted(x, offset[:, :10])  # the op's own checks: a clear error, not garbage
+
+
+def _user_function(x: torch.Tensor, offset: torch.Tensor, weight: torch.Tensor, mask: Optional[torch.Tensor]):
+    """A user's function calling deform_conv2d as torchvision's is called, keywords and tuples included."""
+    return deformconv.deform_conv2d(x, offset, weight, None, stride=(1, 2), padding=(1, 1), dilation=(1, 1),
+                                    mask=mask)
+
+
+def test_functions_calling_deform_conv2d_script():
+    """torch.jit.script of deform_conv2d itself and of a function calling it (torchvision's test_backward scripts
+    exactly this): the same results and gradients as eager; backend= stays for eager callers."""
+    g = torch.Generator().manual_seed(4)
+    x = _input().requires_grad_()
+    offset = torch.randn(2, 18, 7, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(6, 4, 3, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(2, 9, 7, 5, generator=g, dtype=torch.float64)
+    scripted = torch.jit.script(_user_function)
+    for m in (mask, None):
+        out = scripted(x, offset, weight, m)
+        want = _user_function(x, offset, weight, m)
+        torch.testing.assert_close(out, want, atol=0, rtol=0)
+        grads = torch.autograd.grad(out.sum(), (x, offset, weight))
+        for a, b in zip(grads, torch.autograd.grad(want.sum(), (x, offset, weight))):
+            torch.testing.assert_close(a, b, atol=0, rtol=0)
+    f = torch.jit.script(deformconv.deform_conv2d)
+    torch.testing.assert_close(f(x, offset, weight, None, (1, 2), (1, 1)),
+                               deformconv.deform_conv2d(x, offset, weight, stride=(1, 2), padding=1, backend="cpu"))
 
 
 def test_trace_without_warnings_of_ours():

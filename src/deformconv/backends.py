@@ -203,16 +203,23 @@ def op_backend_name(backend: Optional[str], available: Sequence[str] = OP_BACKEN
 
 def select_op_backend(device: torch.device, dtype: torch.dtype, requested: str,
                       available: Sequence[str] = OP_BACKENDS) -> str:
-    """The backend that runs a call of one of the other ops: the one requested (which must be able to), else the Triton
-    kernels where they run automatically (CUDA; fp16, bf16, fp32), else the CPU backend on CPU tensors where the op
-    has one, else the reference."""
+    """The backend that runs a call of one of the other ops: the one requested (backend=, else DEFORMCONV_BACKEND;
+    it must be able to run the call), else the Triton kernels where they run automatically (CUDA; fp16, bf16, fp32),
+    else the CPU backend on CPU tensors where the op has one, else the reference. An op without a cpu backend (RoI
+    pooling) takes DEFORMCONV_BACKEND=cpu as its reference, which is its CPU path."""
     op_backend_name(requested or None, available)  # an unknown name raises (calls of the op itself)
+    source = "backend="
+    if not requested:
+        forced = environment_backend()
+        if forced is not None:
+            requested = forced if forced in available else "reference"
+            source = f"{ENV_VAR}={forced!r}: "
     if requested == "reference":
         return "reference"
     if requested:
         reasons = BACKENDS[requested].not_supported_reasons(device, dtype)
         if reasons:
-            raise RuntimeError(f"backend={requested!r} cannot run on device {device} with dtype {dtype}: "
+            raise RuntimeError(f"{source}{requested!r} cannot run on device {device} with dtype {dtype}: "
                                + "; ".join(reasons))
         return requested
     if not BACKENDS["triton"].not_supported_reasons(device, dtype) and BACKENDS["triton"].automatic(device):
@@ -227,19 +234,26 @@ def not_supported_reasons(device: torch.device, dtype: torch.dtype) -> Dict[str,
     return {name: BACKENDS[name].not_supported_reasons(device, dtype) for name in PRIORITY}
 
 
+def environment_backend() -> Optional[str]:
+    """The backend DEFORMCONV_BACKEND forces on every op, or None (unset, empty or auto); another value raises."""
+    forced = config.backend()
+    if forced is None or forced == "auto":
+        return None
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV_VAR} must be one of {['auto', *sorted(BACKENDS)]} (or unset), got {forced!r}")
+    return forced
+
+
 def select_backend(device: torch.device, dtype: torch.dtype, requested: Optional[str] = None) -> str:
-    """The name of the backend that runs a call on (device, dtype)."""
+    """The name of the backend that runs a deform_conv2d call on (device, dtype)."""
     source = "backend="
     if requested is None:
-        requested = config.backend()
+        requested = environment_backend()
         source = f"{ENV_VAR}="
     if requested is not None:
         if requested == "auto":
             requested = None
         else:
-            if source != "backend=" and requested not in BACKENDS:
-                raise ValueError(f"{ENV_VAR} must be one of {['auto', *sorted(BACKENDS)]} (or unset), got "
-                                 f"{requested!r}")
             reasons = get_backend(requested).not_supported_reasons(device, dtype)
             if reasons:
                 raise RuntimeError(

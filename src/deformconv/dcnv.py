@@ -8,6 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import config
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once
 from .checks import int_at_least
@@ -43,14 +44,15 @@ def _check(input: Tensor, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, 
     return geo
 
 
-def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_least: bool = False) -> None:
+def _check_tensor(t, name: str, shape: Tuple[int, ...], input: Tensor, last_at_least: bool = False,
+                  also: str = "") -> None:
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
     ok = t.dim() == 4 and tuple(t.shape[:3]) == shape[:3] and (
         t.shape[3] >= shape[3] if last_at_least else t.shape[3] == shape[3])
     if not ok:
         want = f"[{shape[0]}, {shape[1]}, {shape[2]}, {'>= ' if last_at_least else ''}{shape[3]}]"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+        raise ValueError(f"{name} must have shape {want}{' ' + also if also else ''}, got {tuple(t.shape)}")
     if t.device != input.device:
         raise ValueError(f"{name} must be on input's device {input.device}, got {t.device}")
     if t.dtype != input.dtype and not autocasting(input):
@@ -61,7 +63,8 @@ def _checked_v3(input: Tensor, offset: Tensor, mask: Tensor, params: tuple) -> D
     """dcnv3's argument checks (bad input raises, naming the argument): its geometry."""
     geo = _check(input, *params)
     _check_tensor(offset, "offset", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points * 2), input)
-    _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input)
+    _check_tensor(mask, "mask", (geo.batch, geo.out_h, geo.out_w, geo.group * geo.points), input,
+                  also=f"or [{geo.batch}, {geo.out_h}, {geo.out_w}, {geo.group}, {geo.points}]")
     return geo
 
 
@@ -82,7 +85,7 @@ def _planned(op: str, tensors: tuple, params: tuple, backend: Optional[str]) -> 
     of other types, an empty batch, another backend)."""
     if (backend is not None and type(backend) is not str) or not all(type(p) in _PLAIN_PARAMS for p in params):
         return None
-    return run_planned("dcnv_eager", list(tensors), (op, params, backend),
+    return run_planned("dcnv_eager", list(tensors), (op, params, backend, config.backend()),
                        lambda t: _new_call(op, t, params, backend))
 
 
@@ -112,7 +115,8 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
     Args:
         input (Tensor[N, H, W, group * group_channels]): NHWC.
         offset (Tensor[N, Ho, Wo, group * K * 2]): ``(dx, dy)`` per point.
-        mask (Tensor[N, Ho, Wo, group * K]): aggregation weights (softmaxed over K by the caller).
+        mask (Tensor[N, Ho, Wo, group * K] or Tensor[N, Ho, Wo, group, K]): aggregation weights (softmaxed over K
+            by the caller).
         kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w (int): as a convolution's.
         group (int): G. group_channels (int): D.
         offset_scale (float): scales offsets and the taps' spread.
@@ -134,6 +138,8 @@ def dcnv3(input: Tensor, offset: Tensor, mask: Tensor, kernel_h: int, kernel_w: 
     """
     params = (kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w, group, group_channels,
               offset_scale, remove_center)
+    if isinstance(mask, Tensor) and mask.dim() == 5 and mask.shape[3] == group:
+        mask = mask.flatten(3)  # [N, Ho, Wo, G, K], as InternImage's CUDA op reads it too: the same elements
     out = _planned("dcnv3", (input, offset, mask), params, backend)
     if out is not None:
         return out

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
+import torch.fx
 from torch import Tensor
 
 from . import config
@@ -130,7 +131,9 @@ def deform_conv2d(
         >>> out.shape
         torch.Size([2, 16, 10, 12])
     """
-    if torch.jit.is_tracing():  # the op's own checks run untraced (no TracerWarnings from reading shapes here)
+    if torch.jit.is_tracing() or isinstance(input, torch.fx.Proxy):
+        # traced by torch.jit.trace (the op's own checks run untraced: no TracerWarnings from reading shapes here) or
+        # by torch.fx's symbolic tracing (one call node of the op, which checks its arguments when the graph runs)
         stride, padding, dilation = (list(pair(v, n)) for v, n in ((stride, "stride"), (padding, "padding"),
                                                                     (dilation, "dilation")))
         return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation,
@@ -214,3 +217,34 @@ def deform_conv2d_script(input: Tensor, offset: Tensor, weight: Tensor, bias: Op
         torch.Size([1, 8, 6, 6])
     """
     return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation, "")
+
+
+# --- torch.jit.script of deform_conv2d and of functions calling it -------------------------------------------
+
+
+def _deform_conv2d_scripted_form(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
+                                 stride: Tuple[int, int] = (1, 1), padding: Tuple[int, int] = (0, 0),
+                                 dilation: Tuple[int, int] = (1, 1), mask: Optional[Tensor] = None) -> Tensor:
+    """What TorchScript compiles for deform_conv2d: torchvision's signature (pairs as tuples) on the registered op."""
+    return torch.ops.deformconv.deform_conv2d(input, offset, weight, bias, mask, [stride[0], stride[1]],
+                                              [padding[0], padding[1]], [dilation[0], dilation[1]], "")
+
+
+def _register_scripted_form() -> None:
+    """torch.jit.script(deform_conv2d), and the scripting of any function that calls it, take the scripted form:
+    deform_conv2d's keyword-only backend= and its eager paths are not TorchScript, and TorchScript looks a function
+    up in its cache of compiled functions first (as torchvision's ops script: the one-line swap holds for scripted
+    code). Compiled once here (a few milliseconds); where TorchScript cannot compile (no sources), scripting raises
+    as it would have."""
+    import warnings
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch.jit.script's deprecation notice is for the caller's use, not ours
+            compiled = torch.jit.script(_deform_conv2d_scripted_form)
+        torch.jit._state._set_jit_function_cache(deform_conv2d, compiled)
+    except Exception:  # pragma: no cover - TorchScript without sources or removed from this torch
+        pass
+
+
+_register_scripted_form()

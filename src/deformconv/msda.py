@@ -8,8 +8,10 @@ import math
 from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 
+from . import config
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once, int_at_least, real_number
 from .eager import run_eager, run_planned
@@ -264,7 +266,8 @@ def _planned(value, spatial_shapes, level_start_index, sampling_locations, atten
     levels = None
     if tile_value and isinstance(spatial_shapes, Tensor) and spatial_shapes.is_cpu:  # contents: read at every call
         levels = lambda: _check_levels(spatial_shapes, level_start_index, value.shape[1])  # noqa: E731
-    return run_planned("msda_eager", tensors, (backend,), lambda t: _new_call(t, backend), keep=(3,), each_call=levels)
+    return run_planned("msda_eager", tensors, (backend, config.backend()), lambda t: _new_call(t, backend), keep=(3,),
+                       each_call=levels)
 
 
 def _new_call(tensors, backend):
@@ -326,8 +329,7 @@ def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spat
         _check_shape("query", query, (None, None, c_query), "[Lq, N, C] (batch_first=False)")
         _check_shape(names[0], value, (None, query.shape[1], c_value), "[S, N, C] (batch_first=False)")
         query, value = query.permute(1, 0, 2), value.permute(1, 0, 2)
-    n, lq, _ = query.shape
-    s = value.shape[1]
+    n, lq, s = query.shape[0], query.shape[1], value.shape[1]
     _check_shape(names[1], reference_points, (n, lq, levels, None), "[N, Lq, levels, 2 or 4]", broadcasts=True)
     if padding_mask is not None:
         _check_shape(names[2], padding_mask, (n, s), "[N, S]", broadcasts=True)
@@ -338,16 +340,28 @@ def _attend(module, query: Tensor, value: Tensor, reference_points: Tensor, spat
     offsets = module.sampling_offsets(query).view(n, lq, heads, levels, points, 2)
     attn = module.attention_weights(query).view(n, lq, heads, levels * points).softmax(-1)
     attn = attn.view(n, lq, heads, levels, points)
-    if reference_points.shape[-1] == 2:
-        normalizer = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1)
-        loc = reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
-    elif reference_points.shape[-1] == 4:
-        loc = (reference_points[:, :, None, :, None, :2]
-               + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
-    else:
-        raise ValueError(f"reference_points' last dim must be 2 or 4, got {reference_points.shape[-1]}")
+    loc = _locations(reference_points, offsets, spatial_shapes, points)
     out = module.output_proj(ms_deform_attn(value, spatial_shapes, level_start_index, loc, attn, module.im2col_step))
     return out if batch_first else out.permute(1, 0, 2)
+
+
+def _locations(reference_points: Tensor, offsets: Tensor, spatial_shapes: Tensor, points: int) -> Tensor:
+    """The sampling locations [N, Lq, M, L, P, 2]: reference points [N, Lq, L, 2] moved by the offsets in pixels of
+    each level, or box centres [N, Lq, L, 4] (cx, cy, w, h) moved by the offsets / P times half the box's size."""
+    if reference_points.shape[-1] == 2:
+        normalizer = torch.stack([spatial_shapes[..., 1], spatial_shapes[..., 0]], -1)
+        return reference_points[:, :, None, :, None, :] + offsets / normalizer[None, None, None, :, None, :]
+    if reference_points.shape[-1] == 4:
+        return (reference_points[:, :, None, :, None, :2]
+                + offsets / points * reference_points[:, :, None, :, None, 2:] * 0.5)
+    raise ValueError(f"reference_points' last dim must be 2 or 4, got {reference_points.shape[-1]}")
+
+
+# torch.fx traces the modules through; these run as one call each when the traced module runs (they branch on sizes,
+# which symbolic tracing cannot read), the op as one call.
+torch.fx.wrap("_check_shape")
+torch.fx.wrap("_locations")
+torch.fx.wrap("ms_deform_attn")
 
 
 class MultiScaleDeformableAttention(nn.Module):

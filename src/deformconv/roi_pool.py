@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Optional, Tuple, Union
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
@@ -156,15 +157,11 @@ class DeformRoIPoolPack(DeformRoIPool):
         self.offset_fc = _fc_stack(bins * output_channels, deform_fc_channels, bins * 2, 3)
 
     def _pooled(self, input: Tensor, rois: Tensor) -> Tensor:
-        if input.shape[1] != self.output_channels:
-            raise ValueError(f"input must have output_channels = {self.output_channels} channels, got {input.shape[1]}")
+        _check_channels(input, self.output_channels)
         return deform_roi_pool(input, rois, None, self.output_size, self.spatial_scale, self.sampling_ratio, self.gamma)
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
-        x = self._pooled(input, rois)
-        offset = self.offset_fc(x.flatten(1)).view(rois.shape[0], 2, *self.output_size)  # flatten: no RoIs work too
-        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
-                               self.gamma)
+        return _pack_forward(self, input, rois)
 
 
 class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
@@ -187,12 +184,7 @@ class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
         self.mask_fc.append(nn.Sigmoid())
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
-        x = self._pooled(input, rois)
-        flat = x.flatten(1)  # not reshape(R, -1): R = 0 RoIs work too
-        offset = self.offset_fc(flat).view(rois.shape[0], 2, *self.output_size)
-        mask = self.mask_fc(flat).view(rois.shape[0], 1, *self.output_size)
-        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
-                               self.gamma) * mask
+        return _modulated_pack_forward(self, input, rois)
 
 
 def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spatial_scale: float, pooled_size: int,
@@ -292,3 +284,33 @@ class DeformPSRoIPooling(nn.Module):
     def forward(self, input: Tensor, rois: Tensor, offset: Optional[Tensor] = None) -> Tensor:
         return deform_psroi_pool(input, rois, offset, self.spatial_scale, self.pooled_size, self.output_dim,
                                  self.no_trans, self.group_size, self.part_size, self.sample_per_part, self.trans_std)
+
+
+def _check_channels(input: Tensor, channels: int) -> None:
+    if input.shape[1] != channels:
+        raise ValueError(f"input must have output_channels = {channels} channels, got {input.shape[1]}")
+
+
+def _pack_forward(module: DeformRoIPoolPack, input: Tensor, rois: Tensor) -> Tensor:
+    """DeformRoIPoolPack.forward."""
+    x = module._pooled(input, rois)
+    offset = module.offset_fc(x.flatten(1)).view(rois.shape[0], 2, *module.output_size)  # flatten: no RoIs work too
+    return deform_roi_pool(input, rois, offset, module.output_size, module.spatial_scale, module.sampling_ratio,
+                           module.gamma)
+
+
+def _modulated_pack_forward(module: ModulatedDeformRoIPoolPack, input: Tensor, rois: Tensor) -> Tensor:
+    """ModulatedDeformRoIPoolPack.forward."""
+    x = module._pooled(input, rois)
+    flat = x.flatten(1)  # not reshape(R, -1): R = 0 RoIs work too
+    offset = module.offset_fc(flat).view(rois.shape[0], 2, *module.output_size)
+    mask = module.mask_fc(flat).view(rois.shape[0], 1, *module.output_size)
+    return deform_roi_pool(input, rois, offset, module.output_size, module.spatial_scale, module.sampling_ratio,
+                           module.gamma) * mask
+
+
+# torch.fx traces the modules through; these run as one call each when the traced module runs (the check reads a
+# size, which symbolic tracing cannot), the ops as one call.
+torch.fx.wrap("_check_channels")
+torch.fx.wrap("deform_roi_pool")
+torch.fx.wrap("deform_psroi_pool")
