@@ -10,16 +10,15 @@ and for the training step random targets (5 boxes an image; Mask2Former 5 masks)
 
 Paths: ``default`` (transformers' own attention), ``deformconv`` (deformconv.integrations.transformers.patch),
 ``deformops`` (deformops' own transformers patch, where it patches the model and is importable), ``cuda``
-(Deformable DETR's own CUDA kernel in place of transformers' attention module, where its extension is importable). bfloat16 runs under
-``torch.autocast``. Each row: the median wall time of a step (eager, as a user runs it; synchronised), the GPU time of
-one step and the share of it in the attention's kernels (torch.profiler: the sum of the step's kernel times), and
-peak memory. A training step is zero_grad, forward with the loss, backward.
+(Deformable DETR's own CUDA kernel in place of transformers' attention module, where its extension is importable).
+bfloat16 runs under ``torch.autocast``. Each row: the median wall time of a step (eager, as a user runs it;
+synchronised), the GPU time of one step and the share of it in the attention's kernels (torch.profiler: the sum of
+the step's kernel times), and peak memory. A training step is zero_grad, forward with the loss, backward.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys

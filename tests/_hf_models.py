@@ -51,8 +51,8 @@ def families():
         "deformable_detr": (T.DeformableDetrConfig, T.DeformableDetrForObjectDetection, dict(
             d_model=D, encoder_layers=1, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2,
             encoder_ffn_dim=D, decoder_ffn_dim=D, num_queries=10, num_feature_levels=3, encoder_n_points=2,
-            decoder_n_points=3, two_stage=True, two_stage_num_proposals=10, with_box_refine=True, num_labels=3, use_timm_backbone=False,
-            use_pretrained_backbone=False, backbone_config=T.ResNetConfig(
+            decoder_n_points=3, two_stage=True, two_stage_num_proposals=10, with_box_refine=True, num_labels=3,
+            use_timm_backbone=False, use_pretrained_backbone=False, backbone_config=T.ResNetConfig(
                 embedding_size=8, hidden_sizes=[8, 16, 24, 32], depths=[1, 1, 1, 1],
                 out_features=["stage2", "stage3", "stage4"]))),
         "rt_detr": (T.RTDetrConfig, T.RTDetrForObjectDetection, dict(backbone_config=resnet(), **rtdetr)),
@@ -97,7 +97,8 @@ def families():
             backbone_config=swin(["stage1", "stage2", "stage3", "stage4"]), conv_dim=D, mask_dim=D, hidden_dim=D,
             encoder_feedforward_dim=D, encoder_layers=1, decoder_layers=2, num_attention_heads=2,
             dim_feedforward=D, num_queries=6, text_encoder_num_layers=1, text_encoder_width=D,
-            text_encoder_context_length=8, task_seq_len=8, text_encoder_vocab_size=100, num_labels=3, train_num_points=64,
+            text_encoder_context_length=8, task_seq_len=8, text_encoder_vocab_size=100, num_labels=3,
+            train_num_points=64,
             query_dec_layers=1)),
     }
 

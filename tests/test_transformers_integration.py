@@ -16,8 +16,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import _hf_models as models  # noqa: E402
-import deformconv  # noqa: E402
 from conftest import TOL, assert_close  # noqa: E402
+
+import deformconv  # noqa: E402
 from deformconv.integrations import transformers as integration  # noqa: E402
 
 CASES = [(family, {}) for family in models.FAMILIES] + [

@@ -58,7 +58,7 @@ def test_import_and_every_family_forward_backward_on_the_cpu():
         pool = deformconv.DeformRoIPoolPack((3, 3), 8, spatial_scale=0.5)
         rois = torch.tensor([[0, 1.0, 2.0, 9.0, 11.0]])
         pool(torch.randn(1, 8, 10, 10), rois).sum().backward()
-        deformconv.deform_psroi_pool(torch.randn(1, 18, 10, 10), rois, None, 0.5, 3, 2, no_trans=True, group_size=3).sum()
+        deformconv.deform_psroi_pool(torch.randn(1, 18, 10, 10), rois, None, 0.5, 3, 2, True, group_size=3).sum()
 
         for family in ("triton",):
             reasons = deformconv.not_supported_reasons(torch.device("cpu"), torch.float32)[family]

@@ -4,21 +4,16 @@ transformers computes multi-scale deformable attention as a Python loop of one `
 three shapes; :func:`patch` routes each to deformconv's op (:func:`deformconv.ms_deform_attn`, or
 :func:`deformconv.ms_deform_attn_v2` where the levels have points of their own count):
 
-========================================================  ==============================================  =====================================
-the code in transformers                                  models (transformers 5.23)                       what patch changes
-========================================================  ==============================================  =====================================
-module ``MultiScaleDeformableAttention``, ``forward(value,  deformable_detr, rt_detr, grounding_dino,         the instance's ``forward``
-value_spatial_shapes, value_spatial_shapes_list,           mm_grounding_dino, omdet_turbo, lw_detr, rf_detr,
-level_start_index, sampling_locations,                     pp_doclayout_v2, pp_doclayout_v3, pp_doclayout_v4
-attention_weights, im2col_step)``
-function ``multi_scale_deformable_attention_v2`` (points   rt_detr_v2                                       the calling module's ``forward``,
-per level, ``method="discrete"``) called as a module                                                        rebound to globals naming ours
-global
-the same function kept on the instance as                  d_fine, deimv2                                   the instance's attribute
-``ms_deformable_attn_core``
-function ``multi_scale_deformable_attention`` called as    mask2former, oneformer                           the calling module's ``forward``,
-a module global                                                                                             rebound to globals naming ours
-========================================================  ==============================================  =====================================
+- the module ``MultiScaleDeformableAttention``, ``forward(value, value_spatial_shapes, value_spatial_shapes_list,
+  level_start_index, sampling_locations, attention_weights, im2col_step)``: deformable_detr, rt_detr, grounding_dino,
+  mm_grounding_dino, omdet_turbo, lw_detr, rf_detr, pp_doclayout_v2, pp_doclayout_v3, pp_doclayout_v4 (transformers
+  5.23). patch replaces the instance's ``forward``.
+- the function ``multi_scale_deformable_attention_v2(value, spatial_shapes, sampling_locations, attention_weights,
+  num_points_list, method)`` called by a module global: rt_detr_v2. patch replaces the calling module's ``forward``
+  by the same code reading deformconv's function under another global name (the module's globals otherwise as they
+  are); kept on the instance as ``ms_deformable_attn_core``: d_fine, deimv2, where patch replaces the attribute.
+- the function ``multi_scale_deformable_attention(value, spatial_shapes, sampling_locations, attention_weights)``
+  called by a module global in the pixel decoder: mask2former, oneformer; as rt_detr_v2's.
 
 Sites are found by what the code is, not by the model's name: a module of that class name whose ``forward`` takes
 those arguments, a module whose ``forward`` calls one of those functions of transformers' by a global name, a module
@@ -222,7 +217,8 @@ def patch(model: nn.Module, *, backend: Optional[str] = None) -> nn.Module:
 
         >>> from transformers import DeformableDetrForObjectDetection  # doctest: +SKIP
         >>> from deformconv.integrations.transformers import patch  # doctest: +SKIP
-        >>> model = patch(DeformableDetrForObjectDetection.from_pretrained("SenseTime/deformable-detr"))  # doctest: +SKIP
+        >>> name = "SenseTime/deformable-detr"
+        >>> model = patch(DeformableDetrForObjectDetection.from_pretrained(name))  # doctest: +SKIP
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
