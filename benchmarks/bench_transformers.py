@@ -9,7 +9,7 @@ and for the training step random targets (5 boxes an image; Mask2Former 5 masks)
 (Hungarian matching included).
 
 Paths: ``default`` (transformers' own attention), ``deformconv`` (deformconv.integrations.transformers.patch),
-``deformops`` (deformops' own transformers patch, where it patches the model and is importable), ``cuda``
+``deformops`` (deformops' own transformers patch on its Triton backend, where it patches the model), ``cuda``
 (Deformable DETR's own CUDA kernel in place of transformers' attention module, where its extension is importable).
 bfloat16 runs under ``torch.autocast``. Each row: the median wall time of a step (eager, as a user runs it;
 synchronised), the GPU time of one step and the share of it in the attention's kernels (torch.profiler: the sum of
@@ -82,8 +82,10 @@ def apply_path(model, path: str):
             from deformops.integrations.transformers import patch as deformops_patch
         except Exception as e:
             return None, f"deformops is not importable: {type(e).__name__}: {e}"[:200]
-        try:
-            return deformops_patch(model), None
+        try:  # its Triton backend: its CUDA one compiles an extension on first use, minutes on a fresh machine
+            from deformops.registry import Backend
+
+            return deformops_patch(model, backend=Backend.TRITON), None
         except Exception as e:
             return None, f"deformops does not patch it: {type(e).__name__}: {e}"[:200]
     if path == "cuda":
