@@ -150,7 +150,7 @@ def gpu_time(step) -> tuple:
     return total / 1e3, attention / 1e3
 
 
-def measure(name, path, dtype, train, iters, warmup=3):
+def measure(name, path, dtype, train, iters, compiled=False, warmup=3):
     import transformers
 
     torch.manual_seed(0)
@@ -159,7 +159,8 @@ def measure(name, path, dtype, train, iters, warmup=3):
     if model is None:
         return {"skipped": why}
     args = inputs(name, train, "cuda")
-    step = step_fn(model, args, train, dtype)
+    # torch.compile's default mode over the model (the loss's Hungarian matching runs on the host between graphs)
+    step = step_fn(torch.compile(model) if compiled else model, args, train, dtype)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     step()
@@ -190,6 +191,7 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--modes", nargs="+", default=["train", "infer"])
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model (the first step compiles)")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     from deformconv.benchmark import environment, write_results
@@ -203,10 +205,10 @@ def main(argv=None):
                 for path in a.paths:
                     dtype = getattr(torch, dt)
                     try:
-                        r = measure(name, path, dtype, mode == "train", a.iters)
+                        r = measure(name, path, dtype, mode == "train", a.iters, a.compile)
                     except Exception as e:  # a path that fails at this load: recorded, the run goes on
                         r = {"error": f"{type(e).__name__}: {e}"[:300]}
-                    r.update(model=name, mode=mode, dtype=dt, path=path)
+                    r.update(model=name, mode=mode, dtype=dt, path=path, compiled=a.compile)
                     records.append(r)
                     if "ms" in r:
                         print(f"{name:<16} {mode:<6} {dt:<9} {path:<11} {r['ms']:>8.2f} {r['gpu_ms']:>8.2f} "
