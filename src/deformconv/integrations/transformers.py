@@ -76,7 +76,7 @@ _FUNCTIONS: Dict[Tuple[str, Optional[str]], Callable] = {}
 
 
 def _function(name: str, backend: Optional[str]) -> Callable:
-    """deformconv's replacement for transformers' function ``name``, with its signature (one a name and backend)."""
+    """deformconv's replacement for transformers' function ``name``, with its signature (one per name and backend)."""
     key = (name, backend)
     if key in _FUNCTIONS:
         return _FUNCTIONS[key]
