@@ -21,11 +21,14 @@ from conftest import TOL, assert_close  # noqa: E402
 import deformconv  # noqa: E402
 from deformconv.integrations import transformers as integration  # noqa: E402
 
-CASES = [(family, {}) for family in models.FAMILIES] + [
+# The quick test command takes one family of each code shape; the whole suite every family.
+QUICK = ("deformable_detr", "rt_detr_v2", "d_fine", "mask2former")
+CASES = [pytest.param(family, {}, marks=() if family in QUICK else pytest.mark.full) for family in models.FAMILIES] + [
     ("rt_detr_v2", {"decoder_method": "discrete"}),
-    ("d_fine", {"decoder_method": "discrete"}),
+    pytest.param("d_fine", {"decoder_method": "discrete"}, marks=pytest.mark.full),
 ]
-IDS = [family + "".join(f"-{k}={v}" for k, v in overrides.items()).replace(" ", "") for family, overrides in CASES]
+IDS = [family + "".join(f"-{k}={v}" for k, v in overrides.items())
+       for family, overrides in (c.values if hasattr(c, "values") else c for c in CASES)]
 
 
 ZERO = 1e-6  # a gradient this small against the model's largest is zero up to cancellation
