@@ -10,8 +10,7 @@ from torch import Tensor
 
 from . import config
 from .backends import op_backend_name, select_op_backend
-from .checks import check_once
-from .checks import int_at_least
+from .checks import check_once, int_at_least
 from .eager import autocasting, run_eager, run_planned
 from .ops.dcnv3 import op as _op
 from .ops.dcnv3.geometry import DcnGeometry, padded_dcnv4_channels

@@ -138,7 +138,22 @@ class DCNv3(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def forward(self, input: Tensor) -> Tensor:
-        return _dcnv3_block(self, input)
+        _check_input(input, "[N, H, W, C]", self.channels)
+        n, h, w = input.shape[0], input.shape[1], input.shape[2]
+        x = self.input_proj(input)
+        x_proj = x
+        x1 = self.dw_conv(input.permute(0, 3, 1, 2))
+        offset = self.offset(x1)
+        points = self.mask.out_features // self.group  # sizes spelled out, not -1: an empty batch reshapes too
+        mask = F.softmax(self.mask(x1).reshape(n, h, w, self.group, points), -1)
+        mask = mask.reshape(n, h, w, self.group * points).type(x.dtype)
+        x = dcnv3(x, offset, mask, self.kernel_size, self.kernel_size, self.stride, self.stride, self.pad,
+                  self.pad, self.dilation, self.dilation, self.group, self.group_channels, self.offset_scale,
+                  256, bool(self.remove_center))
+        if self.center_feature_scale:
+            scale = _center_feature_scale(self, x1, self.channels, self.group)
+            x = x * (1 - scale) + x_proj * scale
+        return self.output_proj(x)
 
 
 class DCNv4(nn.Module):
@@ -205,7 +220,27 @@ class DCNv4(nn.Module):
                 nn.init.zeros_(self.output_proj.bias)
 
     def forward(self, input: Tensor, shape: Optional[Tuple[int, int]] = None) -> Tensor:
-        return _dcnv4_block(self, input, shape)
+        _check_input(input, "[N, L, C]", self.channels)
+        n, length, c = input.shape[0], input.shape[1], input.shape[2]
+        hw = _grid(length, shape)
+        h, w = hw[0], hw[1]
+        x = self.value_proj(input) if not self.without_pointwise else input
+        x = x.reshape(n, h, w, x.shape[-1])  # sizes spelled out, not -1: an empty batch reshapes too
+        if self.dw_kernel_size is not None:
+            om_in = self.offset_mask_dw(input.view(n, h, w, c).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(
+                n, length, c)
+        else:
+            om_in = input
+        offset_mask = self.offset_mask(om_in).reshape(n, h, w, self.offset_mask.out_features)
+        x_proj = x
+        x = dcnv4(x, offset_mask, self.kernel_size, self.kernel_size, self.stride, self.stride, self.pad,
+                  self.pad, self.dilation, self.dilation, self.group, self.group_channels, self.offset_scale,
+                  256, bool(self.remove_center))
+        if self.center_feature_scale:
+            scale = _center_feature_scale(self, x, self.channels, self.group)
+            x = x * (1 - scale) + x_proj * scale
+        x = x.reshape(n, x.shape[1] * x.shape[2], x.shape[-1])
+        return self.output_proj(x) if not self.without_pointwise else x
 
 
 def _grid(length: int, shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
@@ -216,53 +251,8 @@ def _grid(length: int, shape: Optional[Tuple[int, int]]) -> Tuple[int, int]:
     return h, w
 
 
-def _dcnv3_block(module: "DCNv3", input: Tensor) -> Tensor:
-    """DCNv3.forward."""
-    _check_input(input, "[N, H, W, C]", module.channels)
-    n, h, w = input.shape[0], input.shape[1], input.shape[2]
-    x = module.input_proj(input)
-    x_proj = x
-    x1 = module.dw_conv(input.permute(0, 3, 1, 2))
-    offset = module.offset(x1)
-    points = module.mask.out_features // module.group  # sizes spelled out, not -1: an empty batch reshapes too
-    mask = F.softmax(module.mask(x1).reshape(n, h, w, module.group, points), -1)
-    mask = mask.reshape(n, h, w, module.group * points).type(x.dtype)
-    x = dcnv3(x, offset, mask, module.kernel_size, module.kernel_size, module.stride, module.stride, module.pad,
-              module.pad, module.dilation, module.dilation, module.group, module.group_channels, module.offset_scale,
-              256, bool(module.remove_center))
-    if module.center_feature_scale:
-        scale = _center_feature_scale(module, x1, module.channels, module.group)
-        x = x * (1 - scale) + x_proj * scale
-    return module.output_proj(x)
-
-
-def _dcnv4_block(module: "DCNv4", input: Tensor, shape: Optional[Tuple[int, int]]) -> Tensor:
-    """DCNv4.forward."""
-    _check_input(input, "[N, L, C]", module.channels)
-    n, length, c = input.shape[0], input.shape[1], input.shape[2]
-    hw = _grid(length, shape)
-    h, w = hw[0], hw[1]
-    x = module.value_proj(input) if not module.without_pointwise else input
-    x = x.reshape(n, h, w, x.shape[-1])  # sizes spelled out, not -1: an empty batch reshapes too
-    if module.dw_kernel_size is not None:
-        om_in = module.offset_mask_dw(input.view(n, h, w, c).permute(0, 3, 1, 2)).permute(0, 2, 3, 1).reshape(
-            n, length, c)
-    else:
-        om_in = input
-    offset_mask = module.offset_mask(om_in).reshape(n, h, w, module.offset_mask.out_features)
-    x_proj = x
-    x = dcnv4(x, offset_mask, module.kernel_size, module.kernel_size, module.stride, module.stride, module.pad,
-              module.pad, module.dilation, module.dilation, module.group, module.group_channels, module.offset_scale,
-              256, bool(module.remove_center))
-    if module.center_feature_scale:
-        scale = _center_feature_scale(module, x, module.channels, module.group)
-        x = x * (1 - scale) + x_proj * scale
-    x = x.reshape(n, x.shape[1] * x.shape[2], x.shape[-1])
-    return module.output_proj(x) if not module.without_pointwise else x
-
-
-# torch.fx traces the blocks through; these run as one call each when the traced module runs (they read sizes as
-# ints, which symbolic tracing cannot), the ops as one call of each.
+# torch.fx traces the blocks' forwards through; these run as one call each when the traced module runs (they read
+# sizes as ints, which symbolic tracing cannot), the ops as one call of each.
 torch.fx.wrap("_check_input")
 torch.fx.wrap("_grid")
 torch.fx.wrap("dcnv3")

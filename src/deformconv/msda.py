@@ -15,6 +15,7 @@ from . import config
 from .backends import op_backend_name, select_op_backend
 from .checks import check_once, int_at_least, real_number
 from .eager import run_eager, run_planned
+from .ops.common.launch import remember
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
 
@@ -46,6 +47,11 @@ def _check_args(value, spatial_shapes, level_start_index, sampling_locations, at
     lq, points = sampling_locations.shape[1], sampling_locations.shape[4]
     if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, levels, points):
         raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {levels}, {points}]", attention_weights)
+    _check_points(value, sampling_locations, attention_weights)
+
+
+def _check_points(value: Tensor, sampling_locations: Tensor, attention_weights: Tensor) -> None:
+    """The locations and weights: floating point, on value's device."""
     for name, t in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
         if not t.is_floating_point() or t.device != value.device:
             raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {t.dtype} "
@@ -167,22 +173,19 @@ def ms_deform_attn_v2(value: Tensor, spatial_shapes, sampling_locations: Tensor,
     if not isinstance(sampling_locations, Tensor) or sampling_locations.dim() != 5 or tuple(
             sampling_locations.shape[i] for i in (0, 2, 3, 4)) != (n, m, t, 2):
         raise _shape_error("sampling_locations", f"[{n}, Lq, {m}, {t}, 2]", sampling_locations)
-    if levels.pixels not in (-1, value.shape[1]):
+    if levels.pixels is not None and levels.pixels != value.shape[1]:
         raise ValueError(f"spatial_shapes' levels must cover value's S = {value.shape[1]} pixels, got "
                          f"{[tuple(hw) for hw in levels.shapes.tolist()]} ({levels.pixels})")
     lq = sampling_locations.shape[1]
     if not isinstance(attention_weights, Tensor) or tuple(attention_weights.shape) != (n, lq, m, t):
         raise _shape_error("attention_weights", f"[{n}, {lq}, {m}, {t}]", attention_weights)
-    for name, x in (("sampling_locations", sampling_locations), ("attention_weights", attention_weights)):
-        if not x.is_floating_point() or x.device != value.device:
-            raise TypeError(f"{name} must be a floating-point tensor on value's device {value.device}, got {x.dtype} "
-                            f"on {x.device}")
+    _check_points(value, sampling_locations, attention_weights)
     if method == "discrete":
         return _discrete(value, sampling_locations, attention_weights, levels)
     if len(set(counts)) == 1:  # the same count at every level: the levels as they are
         p = counts[0]
         return _attention(value, levels.shapes, levels.starts, sampling_locations.reshape(n, lq, m, len(counts), p, 2),
-                          attention_weights.reshape(n, lq, m, len(counts), p), backend, levels.from_user)
+                          attention_weights.reshape(n, lq, m, len(counts), p), backend, levels.pixels is None)
     # Every point its own level of one point (the level's size and start repeated): the same sums, point by point,
     # with nothing padded to the largest count.
     return _attention(value, levels.point_shapes, levels.point_starts, sampling_locations.reshape(n, lq, m, t, 1, 2),
@@ -194,17 +197,30 @@ class _Levels(NamedTuple):
     starts: Tensor        # int64 [L]
     point_shapes: Tensor  # int64 [T, 2]: each point's level's (H, W)
     point_starts: Tensor  # int64 [T]
-    from_user: bool       # shapes are the caller's tensor (its levels checked as ms_deform_attn checks them)
-    pixels: int           # S the sizes cover, from Python sizes (-1 for the caller's tensor)
+    pixels: Optional[int]  # S the Python sizes cover; None for the caller's tensor (checked as ms_deform_attn does)
 
 
-_LEVEL_TABLES: Dict[tuple, _Levels] = {}
+_LEVEL_TABLES: Dict[tuple, object] = {}
+
+
+def _kept(key: tuple, build):
+    """build()'s result, built once a key and kept (constants: a copy to the GPU a call would cost more than the
+    kernels); built afresh while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return build()
+    found = _LEVEL_TABLES.get(key)
+    return found if found is not None else remember(_LEVEL_TABLES, key, build())
+
+
+def _point_levels(counts: Tuple[int, ...]) -> list:
+    """Each point's level, level 0's points first."""
+    return [lvl for lvl, p in enumerate(counts) for _ in range(p)]
 
 
 def _level_table(spatial_shapes, level_start_index: Optional[Tensor], counts: Tuple[int, ...],
                  device: torch.device) -> _Levels:
     """The levels as tensors on value's device: the caller's tensors indexed per point, or, from Python sizes, built
-    once a (sizes, counts, device) and kept (constants: a copy to the GPU a call would cost more than the kernels)."""
+    once a (sizes, counts, device) and kept."""
     if isinstance(spatial_shapes, Tensor):
         if spatial_shapes.dim() != 2 or spatial_shapes.shape[1] != 2 or spatial_shapes.shape[0] != len(counts):
             raise _shape_error("spatial_shapes", f"[{len(counts)}, 2] (a level a count of num_points_list)",
@@ -214,8 +230,9 @@ def _level_table(spatial_shapes, level_start_index: Optional[Tensor], counts: Tu
             sizes = shapes[:, 0] * shapes[:, 1]
             level_start_index = sizes.cumsum(0) - sizes
         starts = level_start_index.to(device=device, dtype=torch.int64)
-        per_point = torch.tensor([lvl for lvl, p in enumerate(counts) for _ in range(p)], device=device)
-        return _Levels(shapes, starts, shapes[per_point], starts[per_point], True, -1)
+        per_point = _kept(("level of each point", counts, device),
+                          lambda: torch.tensor(_point_levels(counts), device=device))
+        return _Levels(shapes, starts, shapes[per_point], starts[per_point], None)
     try:
         sizes = tuple((int(h), int(w)) for h, w in spatial_shapes)
     except (TypeError, ValueError):
@@ -223,21 +240,17 @@ def _level_table(spatial_shapes, level_start_index: Optional[Tensor], counts: Tu
                         f"{spatial_shapes!r}") from None
     if len(sizes) != len(counts):
         raise ValueError(f"num_points_list must have a count per level ({len(sizes)}), got {list(counts)}")
-    key = (sizes, counts, device)
-    table = None if torch.compiler.is_compiling() else _LEVEL_TABLES.get(key)
-    if table is None:
+
+    def build() -> _Levels:
         starts = [sum(h * w for h, w in sizes[:i]) for i in range(len(sizes))]
-        point = [lvl for lvl, p in enumerate(counts) for _ in range(p)]
-        table = _Levels(torch.tensor(sizes, dtype=torch.int64, device=device),
-                        torch.tensor(starts, dtype=torch.int64, device=device),
-                        torch.tensor([sizes[i] for i in point], dtype=torch.int64, device=device).reshape(-1, 2),
-                        torch.tensor([starts[i] for i in point], dtype=torch.int64, device=device), False,
-                        sum(h * w for h, w in sizes))
-        if not torch.compiler.is_compiling():
-            if len(_LEVEL_TABLES) >= 64:
-                _LEVEL_TABLES.clear()
-            _LEVEL_TABLES[key] = table
-    return table
+        point = _point_levels(counts)
+        return _Levels(torch.tensor(sizes, dtype=torch.int64, device=device),
+                       torch.tensor(starts, dtype=torch.int64, device=device),
+                       torch.tensor([sizes[i] for i in point], dtype=torch.int64, device=device).reshape(-1, 2),
+                       torch.tensor([starts[i] for i in point], dtype=torch.int64, device=device),
+                       sum(h * w for h, w in sizes))
+
+    return _kept((sizes, counts, device), build)
 
 
 def _discrete(value: Tensor, loc: Tensor, attn: Tensor, levels: _Levels) -> Tensor:

@@ -161,7 +161,10 @@ class DeformRoIPoolPack(DeformRoIPool):
         return deform_roi_pool(input, rois, None, self.output_size, self.spatial_scale, self.sampling_ratio, self.gamma)
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
-        return _pack_forward(self, input, rois)
+        x = self._pooled(input, rois)
+        offset = self.offset_fc(x.flatten(1)).view(rois.shape[0], 2, *self.output_size)  # flatten: no RoIs work too
+        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
+                               self.gamma)
 
 
 class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
@@ -184,7 +187,12 @@ class ModulatedDeformRoIPoolPack(DeformRoIPoolPack):
         self.mask_fc.append(nn.Sigmoid())
 
     def forward(self, input: Tensor, rois: Tensor) -> Tensor:  # type: ignore[override]
-        return _modulated_pack_forward(self, input, rois)
+        x = self._pooled(input, rois)
+        flat = x.flatten(1)  # not reshape(R, -1): R = 0 RoIs work too
+        offset = self.offset_fc(flat).view(rois.shape[0], 2, *self.output_size)
+        mask = self.mask_fc(flat).view(rois.shape[0], 1, *self.output_size)
+        return deform_roi_pool(input, rois, offset, self.output_size, self.spatial_scale, self.sampling_ratio,
+                               self.gamma) * mask
 
 
 def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spatial_scale: float, pooled_size: int,
@@ -289,24 +297,6 @@ class DeformPSRoIPooling(nn.Module):
 def _check_channels(input: Tensor, channels: int) -> None:
     if input.shape[1] != channels:
         raise ValueError(f"input must have output_channels = {channels} channels, got {input.shape[1]}")
-
-
-def _pack_forward(module: DeformRoIPoolPack, input: Tensor, rois: Tensor) -> Tensor:
-    """DeformRoIPoolPack.forward."""
-    x = module._pooled(input, rois)
-    offset = module.offset_fc(x.flatten(1)).view(rois.shape[0], 2, *module.output_size)  # flatten: no RoIs work too
-    return deform_roi_pool(input, rois, offset, module.output_size, module.spatial_scale, module.sampling_ratio,
-                           module.gamma)
-
-
-def _modulated_pack_forward(module: ModulatedDeformRoIPoolPack, input: Tensor, rois: Tensor) -> Tensor:
-    """ModulatedDeformRoIPoolPack.forward."""
-    x = module._pooled(input, rois)
-    flat = x.flatten(1)  # not reshape(R, -1): R = 0 RoIs work too
-    offset = module.offset_fc(flat).view(rois.shape[0], 2, *module.output_size)
-    mask = module.mask_fc(flat).view(rois.shape[0], 1, *module.output_size)
-    return deform_roi_pool(input, rois, offset, module.output_size, module.spatial_scale, module.sampling_ratio,
-                           module.gamma) * mask
 
 
 # torch.fx traces the modules through; these run as one call each when the traced module runs (the check reads a

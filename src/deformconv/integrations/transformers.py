@@ -186,18 +186,28 @@ def _patch_one(module: nn.Module, backend: Optional[str]) -> bool:
     return True
 
 
-def _unpatch_one(module: nn.Module) -> bool:
-    """Give one module transformers' attention back; False where patch had not changed it."""
-    changed = False
+def _unpatch_one(module: nn.Module) -> None:
+    """Give one module transformers' attention back (nothing where patch had not changed it)."""
     forward = module.__dict__.get("forward")
     if forward is not None and _ours(getattr(forward, "__func__", None)):
         del module.__dict__["forward"]
         module.__dict__.pop(_BACKEND_KEY, None)
-        changed = True
     if _ORIGINAL_CORE_KEY in module.__dict__:
         module.__dict__[CORE_ATTRIBUTE] = module.__dict__.pop(_ORIGINAL_CORE_KEY)
-        changed = True
-    return changed
+
+
+def _runs_ours(module: nn.Module) -> bool:
+    """Whether module's attention runs on deformconv: patched, or replaced by enable() where transformers defines it
+    (the class's forward, the module global its forward calls)."""
+    if _ours(module.__dict__.get(CORE_ATTRIBUTE)):
+        return True
+    site = _class_site(type(module))
+    if site is None:
+        return False
+    forward = module.__dict__.get("forward", type(module).forward)
+    if _ours(getattr(forward, "__func__", forward)):
+        return True
+    return site[0] == "global" and _ours(type(module).forward.__globals__.get(site[1]))
 
 
 def patch(model: nn.Module, *, backend: Optional[str] = None) -> nn.Module:
@@ -238,15 +248,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 def patched(model: nn.Module) -> List[str]:
     """The names of model's modules that run their attention on deformconv (patched, or built while enabled)."""
-    names = []
-    for name, m in model.named_modules():
-        site = _class_site(type(m))
-        forward = m.__dict__.get("forward", getattr(type(m), "forward", None))
-        if (site is not None and site[0] == "module" and _ours(getattr(forward, "__func__", forward))) or (
-                site is not None and site[0] == "global" and (_ours(getattr(forward, "__func__", None)) or _ours(
-                    type(m).forward.__globals__.get(site[1])))) or _ours(m.__dict__.get(CORE_ATTRIBUTE)):
-            names.append(name)
-    return names
+    return [name for name, m in model.named_modules() if _runs_ours(m)]
 
 
 # --- enable and disable: models built afterwards --------------------------------------------------------------
