@@ -1,6 +1,6 @@
 """Benchmark deform_conv2d side by side with torchvision.ops.deform_conv2d and F.conv2d (cuDNN) on a GPU.
 
-    python benchmarks/bench_deform_conv2d.py --out benchmarks/results/h200.json
+    python benchmarks/bench_deform_conv2d.py --out benchmarks/results/h200.jsonl   # appends the run to the H200's table
 
 The five shapes of the H200 anchors (N, Cin, Cout, H, W, k, offset groups), all with a mask, padding k//2;
 float16, bfloat16 and float32; forward and forward+backward (all five gradients), each a
@@ -25,7 +25,7 @@ def main(argv=None):
     ap.add_argument("--shapes", nargs="+", default=list(GPU_SHAPES), choices=list(GPU_SHAPES))
     ap.add_argument("--dtypes", nargs="+", default=["float16", "bfloat16", "float32"])
     ap.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
-    ap.add_argument("--out", help="write {'environment', 'records'} JSON here")
+    ap.add_argument("--out", help="a device's table (.jsonl: the run appended) or a .json file (the run alone)")
     ap.add_argument("--markdown", help="also write the table here")
     ap.add_argument("--deterministic", action="store_true",
                     help="also time deformconv forward+backward under torch.use_deterministic_algorithms(True)")

@@ -6,9 +6,9 @@ peers.
 Loads (M=8 heads, D=32, P=4): Deformable DETR's (batch 2, L=4 levels 100x150, 50x75, 25x38, 13x19) encoder (every
 pixel of every level a query, 20,568 queries) and decoder (300 and 900 queries); Mask2Former's pixel decoder (L=3
 levels at strides 8-32, every pixel a query) at 512x512 (batch 4, 5,376 queries) and 1024x1024 (batch 1, 21,504).
-Locations uniform over each level (some outside), attention weights softmaxed. Forward and forward+backward (gradients of value, locations and
-weights), `do_bench` medians of eager calls and of CUDA-graph replays; peak memory of one forward+backward; the
-first call's time.
+Locations uniform over each level (some outside), attention weights softmaxed. Forward and forward+backward (gradients
+of value, locations and weights), `do_bench` medians of eager calls and of CUDA-graph replays; peak memory of one
+forward+backward; the first call's time.
 
 deformops' Triton and CUDA backends join as `deformops_triton` and `deformops_cuda` where deformops is importable
 (its wheel is pure Python; the CUDA backend compiles on first use). Deformable DETR's own CUDA kernel (its

@@ -280,7 +280,7 @@ def layer_times(case, dtype, log):
 
 
 def add_route_args(ap: argparse.ArgumentParser) -> None:
-    """The backward's column routes (ops/deform_conv2d/columns.py) as command-line switches."""
+    """The backward's column routes (ops/deform_conv2d/triton/columns.py) as command-line switches."""
     ap.add_argument("--columns-grad-weight", choices=["on", "off"], help="grad_weight through the column buffer "
                     "wherever usable, or never (options.columns_grad_weight; unset: columns.columns_usable's rule)")
     ap.add_argument("--columns-grad-data", choices=["on", "off"], help="grad_input, grad_offset and grad_mask through "
@@ -359,7 +359,8 @@ def main(argv=None):
               f"{r.get('infer_ms', float('nan')):.1f} | {r.get('train_peak_mib', float('nan')):.0f} | "
               f"{r.get('train_reserved_mib', float('nan')):.0f} |")
     if layers:
-        print("\n| case | dtype | N, C, HxW, stride | ours fwd+bwd GPU ms | conv GPU ms | ours/conv | ours eager | tv eager |")
+        print("\n| case | dtype | N, C, HxW, stride | ours fwd+bwd GPU ms | conv GPU ms | ours/conv | ours eager "
+              "| tv eager |")
         print("|---|---|---|---|---|---|---|---|")
         for r in layers:
             ours, conv = r.get("deformconv_fb_graph_ms"), r.get("conv2d_fb_graph_ms")

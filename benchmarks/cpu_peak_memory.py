@@ -90,7 +90,8 @@ def main(argv=None):
                     row[f"{impl}_peak_mib"] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mib"]
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print(f"\nCPU, {torch.get_num_threads()} threads, torch {torch.__version__}: peak MiB of two forward+backward steps\n")
+    print(f"\nCPU, {torch.get_num_threads()} threads, torch {torch.__version__}: peak MiB of two forward+backward "
+          "steps\n")
     print("| layer | dtype | deformconv | torchvision | F.conv2d |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -149,7 +149,8 @@ def main(argv=None):
     }
     # (label, dtype, autocast dtype, compiled: DEFORMCONV_COMPILE_KERNELS under torch.compile, or False for eager)
     cases = [("fp16", torch.float16, None, False), ("fp32", torch.float32, None, False),
-             ("autocast bf16", torch.float32, torch.bfloat16, False), ("autocast fp16", torch.float32, torch.float16, False),
+             ("autocast bf16", torch.float32, torch.bfloat16, False),
+             ("autocast fp16", torch.float32, torch.float16, False),
              ("compiled fp16", torch.float16, None, "0"), ("compiled fp16, kernels visible", torch.float16, None, "1")]
     if args.eager_only:
         cases = [c for c in cases if not c[3]]
@@ -179,8 +180,8 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
     print(f"\nHost time per call (us), layer {shape} 3x3 with a mask, {torch.cuda.get_device_name()}, torch "
           f"{torch.__version__}\n")
-    print("| case | F.conv2d fwd | torchvision fwd | deformconv fwd | ours / tv | F.conv2d fwd+bwd | torchvision fwd+bwd "
-          "| deformconv fwd+bwd | ours / tv |")
+    print("| case | F.conv2d fwd | torchvision fwd | deformconv fwd | ours / tv | F.conv2d fwd+bwd "
+          "| torchvision fwd+bwd | deformconv fwd+bwd | ours / tv |")
     print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
     for label, *_ in cases:

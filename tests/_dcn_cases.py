@@ -5,9 +5,9 @@ import contextlib
 
 import pytest
 import torch
+from conftest import assert_close
 
 import deformconv
-from conftest import assert_close
 
 
 def cpu_backends():
@@ -27,7 +27,8 @@ CONFIGS = {
     "3x3-pad1": dict(n=2, cin=4, cout=6, h=5, w=6, kh=3, kw=3, padding=1),
     "stride2-dil2": dict(n=1, cin=4, cout=4, h=9, w=8, kh=3, kw=3, stride=2, padding=2, dilation=2),
     "groups2-og2": dict(n=2, cin=4, cout=6, h=5, w=5, kh=3, kw=3, groups=2, offset_groups=2, padding=1),
-    "nonsquare-og4": dict(n=1, cin=8, cout=4, h=6, w=7, kh=2, kw=3, groups=2, offset_groups=4, stride=(1, 2), padding=(1, 0)),
+    "nonsquare-og4": dict(n=1, cin=8, cout=4, h=6, w=7, kh=2, kw=3, groups=2, offset_groups=4, stride=(1, 2),
+                          padding=(1, 0)),
     "og3-groups2-segments": dict(n=1, cin=6, cout=4, h=5, w=4, kh=3, kw=3, groups=2, offset_groups=3, padding=1),
     "1x1-no-mask": dict(n=2, cin=3, cout=5, h=4, w=5, kh=1, kw=1, mask=None),
     "zero-mask-no-bias": dict(n=1, cin=4, cout=4, h=5, w=5, kh=3, kw=3, padding=1, mask="zero", bias=False),

@@ -1,5 +1,5 @@
 """An independent, naive DCNv3: explicit Python loops over images, positions, groups and points, written from the
-definition in ops/dcnv3/geometry.py, float64; gradients by autograd through it. Tiny sizes only."""
+definition in ops/dcnv/geometry.py, float64; gradients by autograd through it. Tiny sizes only."""
 
 import math
 

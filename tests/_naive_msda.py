@@ -3,7 +3,6 @@ points, bilinear sampling written out (as grid_sample with align_corners=False a
 by autograd through it. Tiny sizes only."""
 
 import torch
-
 from _naive_dcn import bilinear
 
 

@@ -157,7 +157,7 @@ def kernel_modules():
 
     names = ("configs", "geometry", "schedule", "packing", "forward", "backward", "backward_data", "backward_weight",
              "tiles", "columns")
-    mods = {n: importlib.import_module(f"deformconv.ops.deform_conv2d.{n}") for n in names}
+    mods = {n: importlib.import_module(f"deformconv.ops.deform_conv2d.triton.{n}") for n in names}
     for n in ("launch", "layout", "sampling"):
         mods[n] = importlib.import_module(f"deformconv.ops.common.{n}")
     return types.SimpleNamespace(**mods)
@@ -190,8 +190,8 @@ def launch_metas():
 
 
 # finish_grads cases: (conv groups, grad_weight's partials or None, grad_bias's partials or None, weight layout)
-FINISH_CASES = [(1, 3, 5, "contiguous"), (2, 1, 7, "channels_last"), (3, 4, None, "channels_last"), (1, None, 2, "contiguous"),
-                (2, 2, 75, "contiguous")]
+FINISH_CASES = [(1, 3, 5, "contiguous"), (2, 1, 7, "channels_last"), (3, 4, None, "channels_last"),
+                (1, None, 2, "contiguous"), (2, 2, 75, "contiguous")]
 FINISH_CASE_IDS = ["split3-bias5", "groups2-split1-bias7-channels-last", "groups3-split4-no-bias-channels-last",
                    "bias-only", "groups2-bias75-several-steps"]
 
@@ -200,17 +200,18 @@ def check_finish_grads(device, dtype, groups, split_w, split_b, layout, input_dt
     """finish_grads: grad_weight is its packed fp32 partials summed in index order, unpacked to the weight's layout
     (inverse of pack_weight) and cast: bitwise the sequential fp32 sum rounded to dtype. grad_bias is its partials'
     sum (32 rows a step: hundreds of partials where a transpose made them), cast: the float64 sum's within fp32
-    rounding and dtype's, the same bits on a second call. Every element written (the outputs come from NaN-filled allocations).
-    With an input_dtype other than dtype (a float32 weight used in a 16-bit dtype), both are those sums rounded to
-    input_dtype, in dtype."""
-    from deformconv.ops.deform_conv2d import backward_weight as kernels
+    rounding and dtype's, the same bits on a second call. Every element written (the outputs come from NaN-filled
+    allocations). With an input_dtype other than dtype (a float32 weight used in a 16-bit dtype), both are those
+    sums rounded to input_dtype, in dtype."""
+    from deformconv.ops.deform_conv2d.triton import backward_weight as kernels
 
     cout, cin_g, kh, kw = 6 * groups, 5, 3, 2
     g = torch.Generator().manual_seed(groups * 100 + (split_w or 0) * 10 + (split_b or 0))
     weight = torch.randn(cout, cin_g, kh, kw, generator=g).to(device, dtype)
     fmt = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     weight = weight.contiguous(memory_format=fmt)
-    pw = None if split_w is None else torch.randn(split_w, groups, kh * kw, cin_g, cout // groups, generator=g).to(device)
+    pw = None if split_w is None else torch.randn(split_w, groups, kh * kw, cin_g, cout // groups,
+                                                  generator=g).to(device)
     pb = None if split_b is None else torch.randn(split_b, cout, generator=g).to(device)
     with nan_filled_empty():
         gw, gb = kernels.finish_grads(weight, pw, pb)

@@ -27,20 +27,30 @@ def test_good_call_runs():
 
 
 CASES = {
-    "input-ndim": (dict(input=torch.randn(4, 7, 8)), ValueError, r"input must be a 4-D tensor \[N, Cin, H, W\], got 3-D"),
+    "input-ndim": (dict(input=torch.randn(4, 7, 8)), ValueError,
+        r"input must be a 4-D tensor \[N, Cin, H, W\], got 3-D"),
     "offset-ndim": (dict(offset=torch.randn(2, 18, 56)), ValueError, r"offset must be a 4-D tensor .* got 3-D"),
     "weight-ndim": (dict(weight=torch.randn(6, 4, 9)), ValueError, r"weight must be a 4-D tensor .* got 3-D"),
     "mask-ndim": (dict(mask=torch.rand(2, 9, 56)), ValueError, r"mask must be a 4-D tensor .* got 3-D"),
     "bias-ndim": (dict(bias=torch.randn(6, 1)), ValueError, r"bias must be a 1-D tensor \[Cout\], got 2-D"),
-    "offset-channels": (dict(offset=torch.randn(2, 17, 7, 8)), ValueError, r"offset.shape\[1\] must be 2\*offset_groups\*kh\*kw .*multiple of 18\), got 17"),
-    "mask-channels": (dict(mask=torch.rand(2, 8, 7, 8)), ValueError, r"mask.shape\[1\] must be offset_groups\*kh\*kw = 9, got 8"),
-    "offset-spatial": (dict(offset=torch.randn(2, 18, 7, 7)), ValueError, r"offset spatial size must be the output size \(7, 8\), got \(7, 7\)"),
-    "mask-spatial": (dict(mask=torch.rand(2, 9, 6, 8)), ValueError, r"mask spatial size must be the output size \(7, 8\), got \(6, 8\)"),
-    "offset-batch": (dict(offset=torch.randn(3, 18, 7, 8)), ValueError, r"offset batch size must equal input's \(2\), got 3"),
+    "offset-channels": (dict(offset=torch.randn(2, 17, 7, 8)), ValueError,
+        r"offset.shape\[1\] must be 2\*offset_groups\*kh\*kw .*multiple of 18\), got 17"),
+    "mask-channels": (dict(mask=torch.rand(2, 8, 7, 8)), ValueError,
+        r"mask.shape\[1\] must be offset_groups\*kh\*kw = 9, got 8"),
+    "offset-spatial": (dict(offset=torch.randn(2, 18, 7, 7)), ValueError,
+        r"offset spatial size must be the output size \(7, 8\), got \(7, 7\)"),
+    "mask-spatial": (dict(mask=torch.rand(2, 9, 6, 8)), ValueError,
+        r"mask spatial size must be the output size \(7, 8\), got \(6, 8\)"),
+    "offset-batch": (dict(offset=torch.randn(3, 18, 7, 8)), ValueError,
+        r"offset batch size must equal input's \(2\), got 3"),
     "mask-batch": (dict(mask=torch.rand(1, 9, 7, 8)), ValueError, r"mask batch size must equal input's \(2\), got 1"),
-    "cin-not-divisible-by-weight": (dict(weight=torch.randn(6, 3, 3, 3)), ValueError, r"input channels \(4\) must be divisible by weight.shape\[1\] \(Cin/groups = 3\)"),
-    "cout-not-divisible-by-groups": (dict(weight=torch.randn(5, 2, 3, 3), bias=torch.randn(5)), ValueError, r"weight.shape\[0\] \(Cout = 5\) must be a positive multiple of groups \(2\)"),
-    "cin-not-divisible-by-offset-groups": (dict(input=torch.randn(2, 4, 7, 8), offset=torch.randn(2, 54, 7, 8), mask=torch.rand(2, 27, 7, 8)), ValueError, r"input channels \(4\) must be divisible by offset groups \(3\)"),
+    "cin-not-divisible-by-weight": (dict(weight=torch.randn(6, 3, 3, 3)), ValueError,
+        r"input channels \(4\) must be divisible by weight.shape\[1\] \(Cin/groups = 3\)"),
+    "cout-not-divisible-by-groups": (dict(weight=torch.randn(5, 2, 3, 3), bias=torch.randn(5)), ValueError,
+        r"weight.shape\[0\] \(Cout = 5\) must be a positive multiple of groups \(2\)"),
+    "cin-not-divisible-by-offset-groups": (
+        dict(input=torch.randn(2, 4, 7, 8), offset=torch.randn(2, 54, 7, 8), mask=torch.rand(2, 27, 7, 8)), ValueError,
+        r"input channels \(4\) must be divisible by offset groups \(3\)"),
     "bias-size": (dict(bias=torch.randn(5)), ValueError, r"bias must have Cout = 6 elements, got 5"),
     "stride-zero": (dict(stride=0), ValueError, r"stride must be positive, got \(0, 0\)"),
     "stride-negative": (dict(stride=(1, -2)), ValueError, r"stride must be positive, got \(1, -2\)"),
@@ -48,15 +58,23 @@ CASES = {
     "padding-negative": (dict(padding=-1), ValueError, r"padding must be non-negative, got \(-1, -1\)"),
     "stride-type": (dict(stride=1.5), TypeError, r"stride must be an int or a pair of ints, got float 1.5"),
     "stride-bool": (dict(stride=True), TypeError, r"stride must be an int or a pair of ints, got bool True"),
-    "dilation-bool-in-pair": (dict(dilation=(1, True)), TypeError, r"dilation must be an int or a pair of ints, got \(1, True\)"),
-    "padding-triple": (dict(padding=(1, 1, 1)), TypeError, r"padding must be an int or a pair of ints, got \(1, 1, 1\)"),
-    "output-size": (dict(input=torch.randn(2, 4, 2, 2), padding=0), ValueError, r"computed output size \(0, 0\) is not positive"),
-    "device-mismatch": (dict(offset=torch.randn(2, 18, 7, 8, device="meta")), ValueError, r"offset must be on the same device as input \(cpu\), got meta"),
-    "mixed-dtypes": (dict(weight=torch.randn(6, 4, 3, 3, dtype=torch.float64)), TypeError, r"weight must have the same dtype as input \(torch.float32\), got torch.float64"),
-    "integer-input": (dict(input=torch.ones(2, 4, 7, 8, dtype=torch.int64)), TypeError, r"input must be a floating-point tensor, got dtype torch.int64"),
-    "complex-offset": (dict(offset=torch.randn(2, 18, 7, 8, dtype=torch.complex64)), TypeError, r"offset must be a floating-point tensor, got dtype torch.complex64"),
+    "dilation-bool-in-pair": (dict(dilation=(1, True)), TypeError,
+        r"dilation must be an int or a pair of ints, got \(1, True\)"),
+    "padding-triple": (dict(padding=(1, 1, 1)), TypeError,
+        r"padding must be an int or a pair of ints, got \(1, 1, 1\)"),
+    "output-size": (dict(input=torch.randn(2, 4, 2, 2), padding=0), ValueError,
+        r"computed output size \(0, 0\) is not positive"),
+    "device-mismatch": (dict(offset=torch.randn(2, 18, 7, 8, device="meta")), ValueError,
+        r"offset must be on the same device as input \(cpu\), got meta"),
+    "mixed-dtypes": (dict(weight=torch.randn(6, 4, 3, 3, dtype=torch.float64)), TypeError,
+        r"weight must have the same dtype as input \(torch.float32\), got torch.float64"),
+    "integer-input": (dict(input=torch.ones(2, 4, 7, 8, dtype=torch.int64)), TypeError,
+        r"input must be a floating-point tensor, got dtype torch.int64"),
+    "complex-offset": (dict(offset=torch.randn(2, 18, 7, 8, dtype=torch.complex64)), TypeError,
+        r"offset must be a floating-point tensor, got dtype torch.complex64"),
     "not-a-tensor": (dict(weight=[[1.0]]), TypeError, r"weight must be a Tensor, got list"),
-    "unknown-backend": (dict(backend="cuda-magic"), ValueError, r"backend must be one of \['cpu', 'reference', 'triton'\] .*got 'cuda-magic'"),
+    "unknown-backend": (dict(backend="cuda-magic"), ValueError,
+        r"backend must be one of \['triton', 'cpu', 'reference'\] .*got 'cuda-magic'"),
 }
 
 
@@ -160,7 +178,8 @@ def test_forced_backend_that_cannot_run_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kw = _good()
     x64 = {k: (v.double() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run on device cpu with dtype torch.float64: .*float64 has no tensor-core path"):
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot run on device cpu with dtype torch.float64: "
+                                           r".*float64 has no tensor-core path"):
         deformconv.deform_conv2d(**x64, backend="triton")
 
 
@@ -192,7 +211,7 @@ def test_cpu_tensors_go_to_the_cpu_backend(dtype, monkeypatch):
 def test_triton_refuses_bfloat16_under_the_interpreter(monkeypatch):
     """The interpreter's bfloat16 tl.dot multiplies the raw bits (triton-lang/triton#11584): forcing the Triton
     backend on bfloat16 CPU tensors raises, naming why, instead of returning garbage; float16 still runs."""
-    from deformconv import backends
+    from deformconv.ops.common import dispatch as backends
 
     monkeypatch.setattr(backends, "triton_interpret_mode", lambda: True)
     monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
@@ -214,7 +233,7 @@ def test_triton_refuses_bfloat16_under_the_interpreter(monkeypatch):
 ], ids=["h100-bf16", "h100-fp32", "t4-fp16", "t4-bf16", "h100-fp64"])
 def test_cuda_selection_by_capability(monkeypatch, capability, dtype, expected):
     """The CUDA branch of the dispatch, with the GPU faked: Triton where it can run, else the reference."""
-    from deformconv import backends
+    from deformconv.ops.common import dispatch as backends
 
     monkeypatch.delenv("DEFORMCONV_BACKEND", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -321,20 +340,17 @@ def test_environment_variable_selects_every_ops_backend(op, monkeypatch):
     """DEFORMCONV_BACKEND forces the backend of every op, as it does deform_conv2d's: the implementation that runs is
     the one named (RoI pooling, which has no cpu backend, takes cpu as its reference: its CPU path); a bad value and
     a backend that cannot run raise naming the variable."""
-    from deformconv.ops.dcnv3 import op as dcnv_op
-    from deformconv.ops.msda import op as msda_op
-    from deformconv.ops.roi_pool import op as roi_op
+    from deformconv.ops.common import dispatch
 
-    owner, name = {"dcnv3": (dcnv_op, "_impl"), "dcnv4": (dcnv_op, "_impl"), "ms_deform_attn": (msda_op, "_impl"),
-                   "deform_roi_pool": (roi_op, "_impl"), "deform_psroi_pool": (roi_op, "_ps_impl")}[op]
-    real, ran = getattr(owner, name), []
+    real, ran = dispatch.implementation, []
 
-    def spy(*args):
-        impl = real(*args)
-        ran.append(impl.__name__.rsplit(".", 1)[-1])
+    def spy(called, *args):
+        impl = real(called, *args)
+        if called == op:
+            ran.append(impl.__name__.split(".")[-1])
         return impl
 
-    monkeypatch.setattr(owner, name, spy)
+    monkeypatch.setattr(dispatch, "implementation", spy)
     call = _op_calls()[op]
     roi = op.startswith("deform_")
     for forced, expected in (("reference", "reference"), ("cpu", "reference" if roi else "cpu"),
@@ -345,13 +361,12 @@ def test_environment_variable_selects_every_ops_backend(op, monkeypatch):
             monkeypatch.setenv("DEFORMCONV_BACKEND", forced)
         ran.clear()
         call()
-        module = "ps_reference" if op == "deform_psroi_pool" else expected  # its reference's module
-        assert ran and set(ran) == {module}, (forced, ran)
+        assert ran and set(ran) == {expected}, (forced, ran)
     monkeypatch.setenv("DEFORMCONV_BACKEND", "nope")
     with pytest.raises(ValueError, match="DEFORMCONV_BACKEND must be one of"):
         call()
     monkeypatch.setenv("DEFORMCONV_BACKEND", "triton")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setattr(deformconv.backends, "triton_interpret_mode", lambda: False)
-    with pytest.raises(RuntimeError, match="DEFORMCONV_BACKEND='triton': 'triton' cannot run on device cpu"):
+    monkeypatch.setattr(deformconv.ops.common.dispatch, "triton_interpret_mode", lambda: False)
+    with pytest.raises(RuntimeError, match="DEFORMCONV_BACKEND='triton' cannot run on device cpu"):
         call()

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
-import deformconv
 from _naive_dcn import naive_dcnv3
 from conftest import assert_close, requires_interpreter
+
+import deformconv
 
 # (N, H, W, G, D, kh, kw, stride, pad, dilation, offset_scale, remove_center): odd sizes, D not a multiple of 16,
 # strides, dilations, a non-square kernel, offset_scale != 1
@@ -342,12 +342,12 @@ def test_triton_dcnv3_matches_the_reference(name, dtype):
 @requires_interpreter
 @pytest.mark.parametrize("changes", [
     dict(gather_tile=(64, 1)), dict(gather_tile=(4096, 8)), dict(preload_points=False),
-    dict(preload_points=False, unroll_points=True), dict(preload_points=False, gather_tile=(64, 1))],
-    ids=["64x1", "4096x8", "per-point-loads", "per-point-loads-unrolled", "per-point-loads-64x1"])
+    dict(preload_points=False, gather_tile=(64, 1))],
+    ids=["64x1", "4096x8", "per-point-loads", "per-point-loads-64x1"])
 def test_triton_any_program_tile_is_right(changes):
-    """options.gather_tile, preload_points and unroll_points (what benchmarks/tools/gather_tiles.py and
-    point_loads.py sweep): a program of a few positions or of many, each point's offsets and weight loaded
-    at that point rather than all first, and that loop unrolled, give the reference's results."""
+    """options.gather_tile and preload_points (what benchmarks/tools/gather_tiles.py sweeps): a
+    program of a few positions or of many, each point's offsets and weight loaded at that point rather than all
+    first, give the reference's results."""
     from deformconv.config import options
 
     leaves, params, rc = _case("remove-center-scale")  # D = 3: 16 positions a program at 64 elements, 128 at 4096
@@ -480,22 +480,24 @@ def test_triton_points_outside_or_nan_count_nowhere(value):
 
 
 def test_automatic_backend_and_errors():
-    from deformconv.backends import select_op_backend as select
+    """The one dispatch, for the ops other than deform_conv2d: the CPU backend on CPU tensors where the op has one,
+    the reference elsewhere; a forced backend that cannot run and an unknown one raise."""
+    from deformconv import select_backend as select
 
-    from deformconv.backends import ROI_BACKENDS
-
-    assert select(torch.device("cpu"), torch.float32, "") == "cpu"
-    assert select(torch.device("cpu"), torch.float64, "reference") == "reference"
-    assert select(torch.device("meta"), torch.float32, "") == "reference"  # the CPU backend runs on CPU tensors only
-    assert select(torch.device("cpu"), torch.float32, "", ROI_BACKENDS) == "reference"  # RoI pooling has none
+    assert select(torch.device("cpu"), torch.float32, op="dcnv3") == "cpu"
+    assert select(torch.device("cpu"), torch.float64, "reference", op="ms_deform_attn") == "reference"
+    assert select(torch.device("meta"), torch.float32, op="dcnv4") == "reference"  # the cpu backend: CPU tensors only
+    assert select(torch.device("cpu"), torch.float32, op="deform_roi_pool") == "reference"  # RoI pooling has no cpu
     with pytest.raises(RuntimeError, match="backend='triton' cannot run"):
-        select(torch.device("cpu"), torch.float64, "triton")
+        select(torch.device("cpu"), torch.float64, "triton", op="dcnv3")
     with pytest.raises(RuntimeError, match="backend='cpu' cannot run on device meta"):
-        select(torch.device("meta"), torch.float32, "cpu")
+        select(torch.device("meta"), torch.float32, "cpu", op="ms_deform_attn")
+    with pytest.raises(ValueError, match=r"backend must be one of \['triton', 'reference'\]"):
+        select(torch.device("cpu"), torch.float32, "cpu", op="deform_psroi_pool")
     with pytest.raises(ValueError, match="backend must be one of"):
-        select(torch.device("cpu"), torch.float32, "cpu", ROI_BACKENDS)
-    with pytest.raises(ValueError, match="backend must be one of"):
-        select(torch.device("cpu"), torch.float32, "cuda")
+        select(torch.device("cpu"), torch.float32, "cuda", op="dcnv3")
+    with pytest.raises(ValueError, match="op must be one of"):
+        select(torch.device("cpu"), torch.float32, op="deform_conv3d")
 
 
 def test_meta_tensors_get_the_fake_impl():

@@ -1,4 +1,4 @@
-"""The new ops' eager fast path (deformconv.eager.run_eager): plain eager calls skip the custom-op dispatcher and
+"""The new ops' eager fast path (ops/common/eager.run_eager): plain eager calls skip the custom-op dispatcher and
 give the registered op's results and gradients exactly, plainly and under autocast; calls the op must see (here
 under a TorchDispatchMode) still take it."""
 
@@ -120,7 +120,8 @@ def _once_differentiable_calls():
     ]
 
 
-@pytest.mark.parametrize("name,fn,leaves", _once_differentiable_calls(), ids=[c[0] for c in _once_differentiable_calls()])
+@pytest.mark.parametrize("name,fn,leaves", _once_differentiable_calls(),
+                         ids=[c[0] for c in _once_differentiable_calls()])
 def test_every_eager_node_is_differentiable_once(name, fn, leaves):
     """A gradient taken with create_graph=True through any eager node, differentiated again, raises (torch's
     once_differentiable, which eager.once_differentiable runs wherever grad mode is on) instead of passing a silent

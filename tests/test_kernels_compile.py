@@ -1,8 +1,9 @@
 """Every Triton kernel compiles for an H200 (sm_90) down to machine code, on this machine, GPU or not: what Triton's
 CPU interpreter, which runs the kernels in the CI, cannot show (a kernel the interpreter runs but the GPU compiler
 rejects, shared memory over the GPU's limit, register spills). And for a GPU with 99 KiB of shared memory a block
-(sm_86: RTX 3090, A10), where a default tile that does not fit gives way to the next candidate. benchmarks/tools/compile_check.py does the compiling,
-in a child process (it replaces Triton's driver and JIT call). Results on a GPU: the GPU tests (tests/ops/)."""
+(sm_86: RTX 3090, A10), where a default tile that does not fit gives way to the next candidate.
+benchmarks/tools/compile_check.py does the compiling, in a child process (it replaces Triton's driver and JIT call).
+Results on a GPU: the GPU tests (tests/ops/)."""
 
 import json
 import os
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.skipif(not all(map(os.path.exists, TOOLS)),
 
 @pytest.mark.parametrize("family, arch, extra", [("deform_conv2d", 90, []), ("dcnv", 90, []), ("msda", 90, []),
                                                  ("msda", 90, ["--preload"]), ("roi_pool", 90, []),
-                                                 ("deform_conv2d", 86, []), ("deform_conv2d", 90, ["--scalars-constant"])],
+                                                 ("deform_conv2d", 86, []),
+                                                 ("deform_conv2d", 90, ["--scalars-constant"])],
                          ids=["deform_conv2d-sm90", "dcnv-sm90", "msda-sm90", "msda-preload-sm90", "roi_pool-sm90",
                               "deform_conv2d-sm86", "deform_conv2d-scalars-constant"])
 def test_every_kernel_compiles_without_spills(family, arch, extra, tmp_path):

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import HAS_CUDA, make_case, requires_cuda, requires_interpreter
 
 import deformconv
-from conftest import HAS_CUDA, make_case, requires_cuda, requires_interpreter
 
 
 def _op_args(backend="reference", dtype=torch.float64, mask="random", seed=0, device="cpu"):
@@ -23,7 +23,7 @@ def test_opcheck_forward(mask):
 def test_opcheck_backward():
     x, offset, weight, bias, m, s, p, d, be = _op_args()
     grad_out = torch.randn(2, 6, 6, 7, dtype=torch.float64)
-    args = (grad_out, x.detach(), offset.detach(), weight.detach(), m.detach(), s, p, d, [True, True, True, True, True], be)
+    args = (grad_out, x.detach(), offset.detach(), weight.detach(), m.detach(), s, p, d, [True] * 5, be)
     torch.library.opcheck(torch.ops.deformconv.deform_conv2d_backward.default, args)
     args_partial = args[:8] + ([False, True, False, True, False], be)
     torch.library.opcheck(torch.ops.deformconv.deform_conv2d_backward.default, args_partial)
@@ -114,7 +114,7 @@ def test_autocast_accepts_mixed_input_dtypes():
     assert out.dtype == torch.bfloat16
 
 
-# --- the eager fast path (deformconv/eager.py) must be the op, minus the dispatcher ---
+# --- the eager fast path (ops/deform_conv2d/eager.py) must be the op, minus the dispatcher ---
 
 
 def _grads_of(fn, backend):
@@ -150,7 +150,7 @@ def test_eager_fast_path_is_taken_only_in_plain_eager():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from deformconv.eager import fast_path_ok
+    from deformconv.ops.common.eager import fast_path_ok
 
     x = torch.randn(1, 2, 3, 3)
     assert fast_path_ok([x, None, torch.nn.Parameter(x)])
@@ -169,7 +169,8 @@ def test_eager_fast_path_is_taken_only_in_plain_eager():
     assert seen == [False]
 
 
-@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16), pytest.param("cuda", torch.float16, marks=requires_cuda),
+@pytest.mark.parametrize("device,dtype", [("cpu", torch.bfloat16),
+                                          pytest.param("cuda", torch.float16, marks=requires_cuda),
                                           pytest.param("cuda", torch.bfloat16, marks=requires_cuda)])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.float64], ids=["fp32-weight", "fp64-weight"])
 def test_autocast_takes_the_fast_path_with_the_op_results(device, dtype, weight_dtype):
@@ -229,7 +230,8 @@ def test_autocast_on_the_kernels_keeps_a_float32_weight_uncast(device, dtype, bi
     assert type(out.grad_fn).__name__ == "PlannedCallBackward"  # the per-signature path (functional._planned)
     nodes = [type(f).__name__ for f, _ in out.grad_fn.next_functions]
     # (input, offset, weight[, bias], mask): the float32 inputs are cast (ToCopy), the weight and bias are not
-    assert nodes == ["ToCopyBackward0", "ToCopyBackward0"] + ["AccumulateGrad"] * (1 + bias) + ["ToCopyBackward0"], nodes
+    expected = ["ToCopyBackward0", "ToCopyBackward0"] + ["AccumulateGrad"] * (1 + bias) + ["ToCopyBackward0"]
+    assert nodes == expected, nodes
     assert out.dtype == dtype
     for name, a, b in zip(["out", "input", "offset", "weight", "bias", "mask"] if bias else
                           ["out", "input", "offset", "weight", "mask"], fast, op):

@@ -4,9 +4,9 @@ convolution at initialisation."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import assert_close, make_case, requires_cuda, requires_interpreter
 
 import deformconv
-from conftest import assert_close, make_case, requires_cuda, requires_interpreter
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -53,7 +53,8 @@ def test_pack_state_dict_keys_and_shapes_are_mmcvs(cls, per_tap):
     torch.testing.assert_close(fresh.conv_offset.weight, sd["conv_offset.weight"])
 
 
-@pytest.mark.parametrize("stride,padding,dilation", [(1, 1, 1), (2, 2, 2), ((1, 2), (0, 1), (2, 1))], ids=["s1", "s2d2", "mixed"])
+@pytest.mark.parametrize("stride,padding,dilation", [(1, 1, 1), (2, 2, 2), ((1, 2), (0, 1), (2, 1))],
+                         ids=["s1", "s2d2", "mixed"])
 def test_pack_layers_are_plain_convs_at_init(stride, padding, dilation):
     torch.manual_seed(0)
     x = torch.randn(2, 4, 11, 10, dtype=torch.float64)
@@ -85,9 +86,10 @@ def test_modulated_pack_learns_offsets_and_mask():
                          ids=["cpu", "interpreter", "cuda"])
 def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last, autocast, device, backend):
     """A modulated layer's eager forward takes its offset conv's output into one autograd node (split and op:
-    functional.modulated_from_offset_conv); where that does not apply, the split is one node (split_offset_mask)
-    beside the op's. Both give the output and every gradient of torch's own slices and sigmoid; offset_and_mask's
-    split node too, also where only the mask or only the offset is used, within the dtype's rounding."""
+    ops/deform_conv2d/eager.py: modulated_from_offset_conv); where that does not apply, the split is one node
+    (split_offset_mask) beside the op's. Both give the output and every gradient of torch's own slices and sigmoid;
+    offset_and_mask's split node too, also where only the mask or only the offset is used, within the dtype's
+    rounding."""
     if backend == "triton" and autocast:
         pytest.skip("bfloat16 under Triton's interpreter runs on the cpu backend")
     monkeypatch.setenv("DEFORMCONV_BACKEND", backend)
@@ -99,11 +101,13 @@ def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last,
     if channels_last:
         x, layer = x.contiguous(memory_format=torch.channels_last), layer.to(memory_format=torch.channels_last)
     gout = torch.randn(2, 5, 5, 6, device=device)
-    one_node, split_node = deformconv.modules.modulated_from_offset_conv, deformconv.eager.split_offset_mask
+    from deformconv.ops.deform_conv2d import eager
+
+    one_node, split_node = eager.modulated_from_offset_conv, deformconv.deform_conv.split_offset_mask
 
     def run(fused, split):
-        monkeypatch.setattr(deformconv.modules, "modulated_from_offset_conv", fused)
-        monkeypatch.setattr(deformconv.modules, "split_offset_mask", split)
+        monkeypatch.setattr(eager, "modulated_from_offset_conv", fused)
+        monkeypatch.setattr(deformconv.deform_conv, "split_offset_mask", split)
         leaves = [x.clone().requires_grad_(True), *layer.parameters()]
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = layer(leaves[0])
@@ -115,8 +119,10 @@ def test_modulated_pack_eager_nodes_equal_torchs_ops(monkeypatch, channels_last,
         return node, (out, offset, mask, *grads, *only_mask, *only_offset)
 
     node, fused = run(one_node, split_node)
-    # on the Triton kernels, the per-signature path (functional._planned) takes the same output in its one node
-    assert node == ("PlannedCallBackward" if backend in ("triton", "auto") else "ModulatedDeformConv2dFunctionBackward"), node
+    # on the Triton kernels, the per-signature path (ops/deform_conv2d/eager.py: _planned) takes the same output in
+    # its one node
+    expected = "PlannedCallBackward" if backend in ("triton", "auto") else "ModulatedDeformConv2dFunctionBackward"
+    assert node == expected, node
     _, split = run(lambda *args: None, split_node)
     _, plain = run(lambda *args: None, lambda out, n_off: None)
     assert split[1].is_contiguous() and split[2].is_contiguous()
@@ -132,6 +138,8 @@ def test_modulated_pack_one_node_takes_the_offset_convs_output():
     """The eager layer's node reads the offset conv's output directly (no split node between them), in training and
     without gradients alike the output is the two-step one; under autocast an offset conv output that is not in
     the autocast dtype takes the two-step path (its split runs before the cast)."""
+    from deformconv.ops.deform_conv2d import eager
+
     torch.manual_seed(1)
     layer = deformconv.ModulatedDeformConv2dPack(3, 4, 3, padding=1)
     torch.nn.init.normal_(layer.conv_offset.weight, std=0.3)
@@ -146,5 +154,4 @@ def test_modulated_pack_one_node_takes_the_offset_convs_output():
         torch.testing.assert_close(layer(x), two_step, atol=0, rtol=0)
     om = torch.randn(2, 27, 7, 6)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert deformconv.functional.modulated_from_offset_conv(x, om, 18, layer.weight, layer.bias, [1, 1], [1, 1],
-                                                                [1, 1]) is None
+        assert eager.modulated_from_offset_conv(x, om, 18, layer.weight, layer.bias, [1, 1], [1, 1], [1, 1]) is None

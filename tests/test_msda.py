@@ -4,10 +4,10 @@ two, empty queries; the Triton kernels under the interpreter; the registrations;
 
 import pytest
 import torch
-
-import deformconv
 from _naive_msda import naive_ms_deform_attn
 from conftest import assert_close, requires_interpreter
+
+import deformconv
 
 # (N, Lq, M, D, levels [(H, W)], P)
 CASES = {
@@ -139,20 +139,6 @@ def test_triton_matches_the_reference(name, dtype):
     assert ours[0].dtype == dtype
     for what, a, b in zip(("output", "grad_value", "grad_locations", "grad_attention"), ours, ref):
         assert_close(a, b, dtype, what)
-
-
-@requires_interpreter
-def test_triton_unrolled_forward_is_right():
-    """options.unroll_points (benchmarks/tools/gather_tiles.py --unrolled): the forward's level and point loops
-    unrolled give the reference's output."""
-    from deformconv.config import options
-
-    value, shapes, starts, loc, attn = _case("4-levels", seed=3)
-    with options.override(unroll_points=True):
-        ours = deformconv.ms_deform_attn(value.float(), shapes, starts, loc.float(), attn.float(), backend="triton")
-    ref = deformconv.ms_deform_attn(value.float().double(), shapes, starts, loc.float().double(),
-                                    attn.float().double(), backend="reference")
-    assert_close(ours, ref, torch.float32, "output")
 
 
 @requires_interpreter

@@ -1,12 +1,12 @@
-"""deform_conv2d's per-signature eager path (functional._planned, ops/deform_conv2d/call.py) against the registered op
-on the same Triton kernels: bit for bit, under the interpreter, at every change of what a signature or a backward
-plan depends on."""
+"""deform_conv2d's per-signature eager path (ops/deform_conv2d/eager.py: _planned; triton/call.py) against the
+registered op on the same Triton kernels: bit for bit, under the interpreter, at every change of what a signature or a
+backward plan depends on."""
 
 import pytest
 import torch
+from conftest import requires_interpreter
 
 import deformconv
-from conftest import requires_interpreter
 
 pytestmark = requires_interpreter
 

@@ -6,10 +6,10 @@ Triton kernels under the interpreter; the registrations; mmcv's modules."""
 import pytest
 import torch
 import torchvision
-
-import deformconv
 from _naive_roi_pool import naive_deform_roi_pool
 from conftest import assert_close, requires_interpreter
+
+import deformconv
 
 ROIS = [
     [0, 1.0, 1.0, 30.0, 20.0],     # inside
@@ -158,7 +158,7 @@ def test_triton_forward_spread_tile_widths(width, planes):
 def test_spread_planes_other_than_1_2_4_are_refused():
     """A pass of 3 channels would leave every third channel unwritten: refused, naming the option."""
     from deformconv.config import options
-    from deformconv.ops.roi_pool.triton import spread_planes
+    from deformconv.ops.roi_pool.triton.roi import spread_planes
 
     with options.override(roi_planes=3):
         with pytest.raises(ValueError, match="roi_planes must be 1, 2 or 4"):

@@ -6,10 +6,10 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import HAS_CUDA
 from torch import nn
 
 import deformconv
-from conftest import HAS_CUDA
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 DTYPE = torch.float32 if HAS_CUDA else torch.float64  # the GPU runs the Triton kernels (no float64 there)

@@ -64,10 +64,12 @@ def main(argv=None):
             assert err <= 4 * eps, f"{name} {dt}: profiles disagree by {err:.2e}"
             rows.append(row)
             print(json.dumps(row), flush=True)
-    print("| shape | dtype | fwd 3.6-profile | fwd 3.8-profile | ratio | fwd+bwd 3.6-profile | fwd+bwd 3.8-profile | ratio |")
+    print("| shape | dtype | fwd 3.6-profile | fwd 3.8-profile | ratio | fwd+bwd 3.6-profile | fwd+bwd 3.8-profile "
+          "| ratio |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['shape']} | {r['dtype']} | {r['fwd_3.6']:.3f} | {r['fwd_3.8']:.3f} | {r['fwd_3.8'] / r['fwd_3.6']:.3f} "
+        print(f"| {r['shape']} | {r['dtype']} | {r['fwd_3.6']:.3f} | {r['fwd_3.8']:.3f} "
+              f"| {r['fwd_3.8'] / r['fwd_3.6']:.3f} "
               f"| {r['fb_3.6']:.3f} | {r['fb_3.8']:.3f} | {r['fb_3.8'] / r['fb_3.6']:.3f} |")
     if args.out:
         write_results(args.out, environment("cuda"), rows)

@@ -102,10 +102,10 @@ def compile_with_constant_scalars(fn, args, kwargs, target) -> None:
 
 def force_triton_on_cpu(arch: int) -> None:
     """CPU tensors take the Triton backend (which compiles for the pretend GPU), layout kernels included."""
-    from deformconv import backends
     from deformconv.config import options
+    from deformconv.ops.common import dispatch as backends
     from deformconv.ops.common import launch
-    from deformconv.ops.deform_conv2d import backward, forward
+    from deformconv.ops.deform_conv2d.triton import backward, forward
 
     # the tile choice as on a CUDA device of this shared memory (a tile that does not fit is passed over) and
     # compute capability (TMA from 9.0 on)
@@ -368,7 +368,8 @@ def main(argv=None) -> int:
         k["regs"], k["shared"], k["local"] = max(k["regs"], r["regs"]), max(k["shared"], r["shared"]), \
             max(k["local"], r["local"])
     print(f"\nsm_{a.arch}, Triton {triton.__version__}, torch {torch.__version__}: {len(records)} kernel variants "
-          f"compiled, {len(failures)} failed cases, {len(over)} refused for more than {a.smem_limit} B of shared memory "
+          f"compiled, {len(failures)} failed cases, {len(over)} refused for more than {a.smem_limit} B of shared "
+          "memory "
           f"(the next tile taken), "
           f"{len(spills)} with local memory")
     print(f"{'kernel':<44} {'variants':>8} {'max regs':>8} {'max smem':>9} {'max local':>9}")

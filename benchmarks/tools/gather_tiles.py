@@ -4,13 +4,11 @@ pooling (bench_roi_pool.py's). One run compares the defaults with the other cand
 keeps the outcome.
 
     python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--families ...] [--tiles 1024x4 ...]
-                                            [--unrolled] [--roi-spread 0 8 32] [--roi-planes 1 4] [--out PATH]
+                                            [--roi-spread 0 8 32] [--roi-planes 1 4] [--out PATH]
 
 Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
-default last. --unrolled adds the default tile with the DCNv3/DCNv4 and attention forwards' per-point loops unrolled
-(options.unroll_points; DCNv3/DCNv4 with preload_points off); --roi-spread adds RoI pooling's forward with other spread tile widths
-(options.roi_spread, 0: none), --roi-planes with other numbers of channels the spread tile takes a pass
-(options.roi_planes).
+default last. --roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread, 0: none),
+--roi-planes with other numbers of channels the spread tile takes a pass (options.roi_planes).
 """
 
 from __future__ import annotations
@@ -49,8 +47,8 @@ def _loads(dtype):
     for level in bench_roi_pool.LEVELS:
         for sr in (2, 6, 0):
             x, rois, offset, scale = bench_roi_pool._inputs(level, dtype, torch.device("cuda"))
-            yield "roi_pool", f"{level} sr{sr}", (lambda x=x, r=rois, o=offset, s=scale, sr=sr: deformconv.deform_roi_pool(
-                x, r, o, 7, s, sr)), [x, offset]
+            call = lambda x=x, r=rois, o=offset, s=scale, sr=sr: deformconv.deform_roi_pool(x, r, o, 7, s, sr)  # noqa: E731
+            yield "roi_pool", f"{level} sr{sr}", call, [x, offset]
 
 
 def unique_tiles(tiles):
@@ -62,7 +60,7 @@ def main(argv=None):
 
     from deformconv.benchmark import environment, write_results
     from deformconv.config import options
-    from deformconv.ops.dcnv3.triton import TILE as DCN_TILE
+    from deformconv.ops.dcnv.triton import TILE as DCN_TILE
     from deformconv.ops.msda.triton import TILE as MSDA_TILE
     from deformconv.ops.roi_pool.triton import TILE as ROI_TILE
 
@@ -72,8 +70,6 @@ def main(argv=None):
     ap.add_argument("--tiles", nargs="+", default=[f"{e}x{w}" for e, w in CANDIDATES],
                     help="candidate tiles, elements x warps (each family's default is always timed)")
     ap.add_argument("--families", nargs="+", default=["dcnv3", "dcnv4", "msda", "roi_pool"])
-    ap.add_argument("--unrolled", action="store_true", help="also the default tile with the forwards' point loops "
-                    "unrolled (options.unroll_points): columns unrolled_fwd_ms, unrolled_fb_ms")
     ap.add_argument("--roi-spread", nargs="*", type=int, default=[],
                     help="RoI pooling's forward spread tile widths to time beside the default (0: none)")
     ap.add_argument("--roi-planes", nargs="*", type=int, default=[],
@@ -91,9 +87,6 @@ def main(argv=None):
             row = dict(family=family, load=load, dtype=dt_name, default=list(defaults[family]))
             tiles = unique_tiles([tuple(defaults[family])] + [tuple(map(int, t.split("x"))) for t in args.tiles])
             variants = [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
-            if args.unrolled and family != "roi_pool":
-                # the unrolled loop is the per-point one (DCNv3's preloading forward unrolls over its columns anyway)
-                variants.append(("unrolled", dict(unroll_points=True, preload_points=False)))
             if family == "roi_pool":
                 variants += [(f"spread{n}", dict(roi_spread=n)) for n in args.roi_spread]
                 variants += [(f"planes{n}", dict(roi_planes=n)) for n in args.roi_planes]
@@ -111,8 +104,7 @@ def main(argv=None):
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
           "family's default tile (elements x warps)\n")
     timed = unique_tiles(["{}x{}".format(*defaults[f]) for f in args.families] + args.tiles)
-    columns = (timed + (["unrolled"] if args.unrolled else []) + [f"spread{n}" for n in args.roi_spread]
-               + [f"planes{n}" for n in args.roi_planes])
+    columns = timed + [f"spread{n}" for n in args.roi_spread] + [f"planes{n}" for n in args.roi_planes]
     print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:

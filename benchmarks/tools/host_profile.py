@@ -27,7 +27,7 @@ def engine_split(step_parts, calls: int, device, reps: int = 7):
     idle. step_parts() -> (out, grad) runs the forward; our backward is timed through DeformConv2dFunction.backward."""
     import time
 
-    from deformconv import eager
+    from deformconv.ops.deform_conv2d import eager
 
     spent = [0.0]
     original = eager.DeformConv2dFunction.backward

@@ -61,7 +61,7 @@ def _dcnv4_load(name):
     """(x, offset_mask, grad_out, geometry) of bench_dcnv.py's DCNv4 load name, fp16, as that script makes them."""
     import bench_dcnv
 
-    from deformconv.ops.dcnv3.geometry import DcnGeometry
+    from deformconv.ops.dcnv.geometry import DcnGeometry
 
     n, h, w, g, d = shape = bench_dcnv.SHAPES[name]
     geo = DcnGeometry(n, h, w, g, d, (3, 3), (1, 1), (1, 1), (1, 1), 1.0, False)
@@ -74,7 +74,7 @@ def split_rows():
     from triton.testing import do_bench_cudagraph as bench
 
     import deformconv
-    from deformconv.ops.dcnv3 import triton as kernels
+    from deformconv.ops.dcnv import triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
@@ -111,7 +111,7 @@ def split_rows():
 def profile() -> None:
     """Each call twice, then once inside the profiler's range (ncu --profile-from-start off)."""
     import deformconv
-    from deformconv.ops.dcnv3 import triton as kernels
+    from deformconv.ops.dcnv import triton as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     calls = []

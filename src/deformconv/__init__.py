@@ -1,21 +1,37 @@
-"""deformconv: deformable convolution (DCNv1 offsets, DCNv2 modulation; InternImage's DCNv3 and DCNv4) and
-multi-scale deformable attention for PyTorch.
+"""deformconv: the deformable ops for PyTorch, five families: deformable convolution (DCNv1 offsets, DCNv2
+modulation), InternImage's DCNv3 and DCNv4, multi-scale deformable attention (Deformable DETR) and deformable RoI
+pooling (with its position-sensitive variant).
 
-A drop-in for ``torchvision.ops.deform_conv2d`` registered as one ``torch.library`` op
-(``torch.ops.deformconv.deform_conv2d``), with a plain-PyTorch reference backend and fused Triton kernels.
+Each op is one ``torch.library`` op (``torch.ops.deformconv.*``) with a plain-PyTorch reference, a CPU backend where
+one pays and fused Triton kernels on the GPU; ``deform_conv2d`` is a drop-in for ``torchvision.ops.deform_conv2d``.
+Public side: one file per family (``deform_conv``, ``dcnv``, ``msda``, ``roi_pool``); each family's op, reference
+and kernels under ``ops/<family>``; one dispatch for all of them (``select_backend``, ``not_supported_reasons``).
 """
 
-from .backends import not_supported_reasons, select_backend
-from .dcnv import (DCNv3Function, DCNv4Function, dcnv3, dcnv3_to_dcnv4, dcnv3_to_deform_conv2d, dcnv4,
-                   dcnv4_to_dcnv3)
-from .dcnv_modules import DCNv3, DCNv4
+from . import onnx  # registers the TorchScript exporter's symbolic
+from .dcnv import (
+                   DCNv3,
+                   DCNv3Function,
+                   DCNv4,
+                   DCNv4Function,
+                   dcnv3,
+                   dcnv3_to_dcnv4,
+                   dcnv3_to_deform_conv2d,
+                   dcnv4,
+                   dcnv4_to_dcnv3,
+)
+from .deform_conv import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack, deform_conv2d, deform_conv2d_script
 from .msda import MSDeformAttn, MultiScaleDeformableAttention, ms_deform_attn, ms_deform_attn_v2
-from .roi_pool import (DeformPSRoIPooling, DeformRoIPool, DeformRoIPoolPack, ModulatedDeformRoIPoolPack,
-                       deform_psroi_pool, deform_roi_pool)
-from .functional import deform_conv2d, deform_conv2d_script
-from .modules import DeformConv2d, DeformConv2dPack, ModulatedDeformConv2dPack
+from .ops.common.dispatch import not_supported_reasons, select_backend
+from .roi_pool import (
+                   DeformPSRoIPooling,
+                   DeformRoIPool,
+                   DeformRoIPoolPack,
+                   ModulatedDeformRoIPoolPack,
+                   deform_psroi_pool,
+                   deform_roi_pool,
+)
 from .surgery import make_deformable, resnet_stages
-from . import onnx  # noqa: E402  (registers the TorchScript exporter's symbolic)
 
 __version__ = "0.1.0"
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import platform
 import statistics
+import sys
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
@@ -40,7 +42,8 @@ CPU_SHAPES: Dict[str, Shape] = {
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
 
 
-def make_inputs(shape: Shape, dtype: torch.dtype, device, requires_grad: bool = False, seed: int = 0) -> List[torch.Tensor]:
+def make_inputs(shape: Shape, dtype: torch.dtype, device, requires_grad: bool = False,
+                seed: int = 0) -> List[torch.Tensor]:
     """[input, offset, weight, bias, mask] for a stride-1, padding k//2 layer: signed normal input,
     offsets of a few pixels, mask in (0, 1), weight scaled by 1/sqrt(fan_in)."""
     n, cin, cout, h, w, k, g = shape
@@ -251,11 +254,21 @@ def environment(device) -> dict:
     return env
 
 
-def write_results(path: str, env: dict, records: Sequence, **sections) -> None:
-    """A results file as benchmarks/results keeps them: the environment (device, versions, date, timer: what makes
-    the numbers comparable), the records, and any further sections, as JSON."""
-    with open(path, "w") as f:
-        json.dump({"environment": env, "records": list(records), **sections}, f, indent=1)
+def write_results(path: str, env: dict, records: Sequence, benchmark: Optional[str] = None, **sections) -> None:
+    """One run of a benchmark as benchmarks/results keeps them: the benchmark's name (default: the running script's,
+    less its ``bench_`` prefix), the date, the environment (device, versions, timer: what makes the numbers
+    comparable), the records, and any further sections. A path ending in ``.jsonl`` (a device's table:
+    benchmarks/results/<device>.jsonl) gets the run appended as one line; any other path gets the run alone, as
+    JSON."""
+    if benchmark is None:
+        benchmark = os.path.splitext(os.path.basename(sys.argv[0]))[0].removeprefix("bench_")
+    run = {"benchmark": benchmark, "date": env.get("date"), "environment": env, "records": list(records), **sections}
+    if str(path).endswith(".jsonl"):
+        with open(path, "a") as f:
+            f.write(json.dumps(run, separators=(",", ":")) + "\n")
+    else:
+        with open(path, "w") as f:
+            json.dump(run, f, indent=1)
 
 
 def table(records: Sequence[dict], field: str = "median_ms") -> str:
@@ -269,7 +282,8 @@ def table(records: Sequence[dict], field: str = "median_ms") -> str:
     idx = {(r["shape"], r["dtype"], r["pass"], label(r)): r.get(field) for r in records}
     ours = [c for c in cols if c.startswith("deformconv")]
     head = ["pass", "shape", "dtype"] + [f"{c} ms" for c in cols]
-    ratios = [f"{o}/conv2d" for o in ours if "conv2d" in cols] + [f"torchvision/{o}" for o in ours if "torchvision" in cols]
+    ratios = ([f"{o}/conv2d" for o in ours if "conv2d" in cols]
+              + [f"torchvision/{o}" for o in ours if "torchvision" in cols])
     lines = ["| " + " | ".join(head + ratios) + " |", "|" + "---|" * (len(head) + len(ratios))]
     keys = list(dict.fromkeys((r["pass"], r["shape"], r["dtype"]) for r in records))
     keys.sort(key=lambda k: k[0])
@@ -305,7 +319,7 @@ def memory_table(records: Sequence[dict]) -> str:
         cells = [shape, dtype, f"{next(iter(by_impl.values()))['input_mib']:.1f}"]
         for i in impls:
             r = by_impl.get(i)
-            cells.append(f"{r['extra_peak_mib']:.0f} / {r['workspace_mib']:.0f} ({r['workspace_mib'] / r['input_mib']:.2f}x)"
-                         if r else "-")
+            cells.append(f"{r['extra_peak_mib']:.0f} / {r['workspace_mib']:.0f} "
+                         f"({r['workspace_mib'] / r['input_mib']:.2f}x)" if r else "-")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -112,7 +112,8 @@ def _int_pair_key(value) -> Optional[Tuple[int, int]]:
     return None
 
 
-def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair], allow_mixed_dtypes: bool) -> Optional[tuple]:
+def _signature(tensors: Sequence[Optional[Tensor]], pairs: Sequence[IntPair],
+               allow_mixed_dtypes: bool) -> Optional[tuple]:
     """The key of _VALID: every property the checks read, or None where a call is not cached (while torch.compile
     traces; tensor subclasses other than Parameter; arguments of other types)."""
     if torch.compiler.is_compiling():

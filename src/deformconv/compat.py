@@ -77,7 +77,7 @@ def codegen_profile() -> CodegenProfile:
     return options.profile or _INSTALLED
 
 
-# --- torch's tracing of custom ops (the compile route, library.py) -------------------------------------------
+# --- torch's tracing of custom ops (the compile route, ops/deform_conv2d/op.py) ---------------------------------
 
 
 def custom_op_decomposition_disabled() -> bool:

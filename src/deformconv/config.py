@@ -27,7 +27,8 @@ class EnvVar:
 
 
 ENVIRONMENT: Dict[str, EnvVar] = {v.name: v for v in (
-    EnvVar("DEFORMCONV_BACKEND", "", "Forces a backend (`triton`, `reference`, or `auto`) where the call names none."),
+    EnvVar("DEFORMCONV_BACKEND", "", "Forces the backend of every op (`triton`, `cpu`, `reference`, or `auto`) "
+                                      "where the call names none."),
     EnvVar("DEFORMCONV_AUTOTUNE", "0", "`1`: the first call at a new shape class times up to 4 candidate tile "
                                        "configs on the GPU and keeps the fastest, instead of the heuristic default."),
     EnvVar("DEFORMCONV_FAST_LAUNCH", "1", "`0`: every kernel launch goes through Triton's JIT call path instead of "
@@ -113,7 +114,7 @@ _trace_state = _TraceState()
 
 
 def tracing() -> bool:
-    """Whether the Triton backend's launchers are being traced into a graph (the compile route, library.py)
+    """Whether the Triton backend's launchers are being traced into a graph (the compile route, ops/deform_conv2d/op.py)
     rather than run. Then every launch is recorded through ``torch.library.wrap_triton``, nothing is cached, data
     pointers are unknown (taken as 16-byte aligned: Inductor aligns what it allocates), and the choices that need
     a real call (autotuning, TMA descriptors, the backward's side stream) take their plain alternative."""
@@ -141,7 +142,9 @@ class Options:
     ``go_resident`` force those choices for every launch.
     """
 
-    # code paths that have an equivalent, slower alternative kept for the tests
+    # Off: the path the product takes where the faster one does not apply (plain stores where runs do not fit, the
+    # two passes of a channels-last input, one layout copy a launch, grad_weight through its finishing pass at more
+    # than one split), forced at shapes where it would not, so that the tests compare both on the same inputs
     run_stores: bool = True              # the forward's vectorised NCHW stores
     fused_prep: bool = True              # the forward's weight pack and input copy in one launch
     paired_transposes: bool = True       # the backward's two layout copies in one launch
@@ -165,9 +168,8 @@ class Options:
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     preload_points: Optional[bool] = None  # a row's point parameters loaded for all its points first (None: where
                                            # they fit 16 columns; common/launch.py: preload_points)
-    unroll_points: bool = False  # the DCNv3/DCNv4 and attention forwards' point loops unrolled (tl.static_range)
     roi_spread: Optional[int] = None  # samples of a bin side by side in RoI pooling's forward spread tile (0: never;
-                                      # None: roi_pool/triton.py's BLOCK_S)
+                                      # None: roi_pool/triton/roi.py's BLOCK_S)
     roi_planes: Optional[int] = None  # channels the spread tile takes a pass (1, 2, 4; None: SPREAD_PLANES)
     caches: Dict[str, dict] = field(default_factory=dict, repr=False)
 

@@ -12,9 +12,9 @@ import torch.fx
 from torch import Tensor, nn
 
 from . import config
-from .backends import op_backend_name, select_op_backend
 from .checks import check_once, int_at_least, real_number
-from .eager import run_eager, run_planned
+from .ops.common import dispatch
+from .ops.common.eager import run_eager, run_planned
 from .ops.common.launch import remember
 from .ops.msda import op as _op  # noqa: F401  (registers torch.ops.deformconv.ms_deform_attn)
 
@@ -106,7 +106,7 @@ def _attention(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
     if tile_value and spatial_shapes.device.type == "cpu" and not torch.compiler.is_compiling():  # free to read
         _check_levels(spatial_shapes, level_start_index, value.shape[1])
     args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
-            attention_weights, op_backend_name(backend))
+            attention_weights, dispatch.backend_argument("ms_deform_attn", backend))
     out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=(3,))
     return out if out is not None else torch.ops.deformconv.ms_deform_attn(*args)
 
@@ -288,7 +288,8 @@ def _new_call(tensors, backend):
     _check_args(*tensors)
     value, shapes, starts, loc, _ = tensors
     if (shapes.dtype != torch.int64 or starts.dtype != torch.int64 or value.numel() == 0 or loc.numel() == 0
-            or select_op_backend(value.device, value.dtype, op_backend_name(backend)) != "triton"):
+            or dispatch.chosen_backend("ms_deform_attn", value.device, value.dtype,
+                                       dispatch.backend_argument("ms_deform_attn", backend)) != "triton"):
         return None
     from .ops.msda import triton as kernels
 

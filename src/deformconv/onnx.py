@@ -122,7 +122,7 @@ def _dcn_as_deform_conv(op, input, offset, mask, kernel, stride, pad, dilation, 
     import numpy as np
     from onnxscript import ir
 
-    from .ops.dcnv3.geometry import DcnGeometry
+    from .ops.dcnv.geometry import DcnGeometry
 
     kh, kw = kernel
     geo = DcnGeometry(1, 1, 1, group, group_channels, (kh, kw), tuple(stride), tuple(pad), tuple(dilation),

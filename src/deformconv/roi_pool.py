@@ -1,6 +1,6 @@
 """Deformable RoI pooling: mmcv's ``deform_roi_pool`` and its modules (``DeformRoIPool``, ``DeformRoIPoolPack``,
 ``ModulatedDeformRoIPoolPack``) with their arguments and state_dict keys, and the papers' position-sensitive variant
-(``deform_psroi_pool``, ``DeformPSRoIPooling``). Semantics: ops/roi_pool/__init__.py and ps_reference.py."""
+(``deform_psroi_pool``, ``DeformPSRoIPooling``). Semantics: ops/roi_pool/__init__.py and ops/roi_pool/reference.py."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ import torch.fx
 from torch import Tensor, nn
 from torch.nn.modules.utils import _pair
 
-from .backends import ROI_BACKENDS, op_backend_name
 from .checks import int_at_least, pair_at_least, real_number
-from .eager import run_eager
-from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool
+from .ops.common import dispatch
+from .ops.common.eager import run_eager
+from .ops.roi_pool import op as _op  # registers torch.ops.deformconv.deform_roi_pool and deform_psroi_pool
 
 
 def _check_input(input) -> None:
@@ -87,7 +87,7 @@ def deform_roi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], outpu
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, [ph, pw], float(spatial_scale), int(sampling_ratio), float(gamma),
-            op_backend_name(backend, ROI_BACKENDS))
+            dispatch.backend_argument("deform_roi_pool", backend))
     out = run_eager(_op.roi_pool_forward, _op.roi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_roi_pool(*args)
 
@@ -260,7 +260,7 @@ def deform_psroi_pool(input: Tensor, rois: Tensor, offset: Optional[Tensor], spa
             raise TypeError(f"offset must be a floating-point tensor on input's device {input.device}, got "
                             f"{offset.dtype} on {offset.device}")
     args = (input, rois, offset, float(spatial_scale), pooled_size, output_dim, group_size, part_size,
-            sample_per_part, float(trans_std), op_backend_name(backend, ROI_BACKENDS))
+            sample_per_part, float(trans_std), dispatch.backend_argument("deform_psroi_pool", backend))
     out = run_eager(_op.psroi_pool_forward, _op.psroi_pool_backward, (0, 2), args, keep=(1,))
     return out if out is not None else torch.ops.deformconv.deform_psroi_pool(*args)
 

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from .modules import DeformConv2dPack, ModulatedDeformConv2dPack
+from .deform_conv import DeformConv2dPack, ModulatedDeformConv2dPack
 
 Predicate = Callable[[str, nn.Conv2d], bool]
 

@@ -15,7 +15,8 @@ HELP = "time deform_conv2d vs torchvision vs F.conv2d on this machine"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--device", type=device_arg, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--dtypes", nargs="+", default=None, choices=["float16", "bfloat16", "float32", "float64"],
                         help="default: float16 bfloat16 float32 on CUDA, float32 on the CPU")
     parser.add_argument("--passes", nargs="+", default=["fwd", "fwd+bwd"], choices=["fwd", "fwd+bwd"])
@@ -26,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from deformconv import benchmark
-    from deformconv.backends import PRIORITY, not_supported_reasons
+    from deformconv.ops.common.dispatch import PRIORITY, not_supported_reasons
 
     device = default_device(args.device)
     all_shapes = benchmark.GPU_SHAPES if device.type == "cuda" else benchmark.CPU_SHAPES
@@ -61,6 +62,6 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(benchmark.table(records))
     if args.json:
-        benchmark.write_results(args.json, env, records)
+        benchmark.write_results(args.json, env, records, benchmark="deform_conv2d")
         print(f"wrote {args.json}")
     return 0

@@ -59,7 +59,8 @@ def make_glyphs(n: int, size: int, seed: int) -> Tuple[torch.Tensor, torch.Tenso
     grid = torch.stack(torch.meshgrid(ax, ax, indexing="ij"), -1).reshape(1, -1, 2)  # (y, x)
     # Elastic warp: a smooth random displacement field (coarse noise, upsampled).
     coarse = (u(n, 2, 4, 4) - 0.5) * 0.5
-    disp = F.interpolate(coarse, size=(size, size), mode="bicubic", align_corners=True).reshape(n, 2, -1).transpose(1, 2)
+    disp = F.interpolate(coarse, size=(size, size), mode="bicubic", align_corners=True)
+    disp = disp.reshape(n, 2, -1).transpose(1, 2)
     pts = torch.einsum("nij,npj->npi", lin, grid - shift[:, None, :] + disp)  # [n, P, 2]
 
     s = table[labels]  # [n, nseg, 4]
@@ -283,13 +284,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=positive_int, default=32, help="image side in pixels, >= 16 (default: 32)")
     parser.add_argument("--train", type=positive_int, default=3000, help="training images (default: 3000)")
     parser.add_argument("--test", type=positive_int, default=1000, help="test images (default: 1000)")
-    parser.add_argument("--width", type=positive_int, default=12, help="channels of the first DCN-net layer (default: 12)")
+    parser.add_argument("--width", type=positive_int, default=12,
+                        help="channels of the first DCN-net layer (default: 12)")
     parser.add_argument("--batch", type=positive_int, default=64, help="batch size (default: 64)")
-    parser.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default: 3e-3; x0.1 for offsets)")
+    parser.add_argument("--lr", type=positive_float, default=3e-3,
+                        help="peak learning rate (default: 3e-3; x0.1 for offsets)")
     parser.add_argument("--seed", type=int, default=0, help="data, init and order seed (default: 0)")
-    parser.add_argument("--device", type=device_arg, default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    parser.add_argument("--device", type=device_arg, default=None,
+                        help="cpu, cuda or cuda:N (default: cuda if available)")
     parser.add_argument("--out", default="deformconv-demo", help="folder for the PNGs (default: ./deformconv-demo/)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars (they are drawn on a terminal only)")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bars (they are drawn on a terminal only)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""Versions, devices, and which backend each dtype would use on each device (with the reasons when a
-backend cannot run), deform_conv2d's and the other ops'."""
+"""Versions, devices, and which backend each op would use for each dtype on each device, with the reasons where a
+backend cannot run."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import deformconv
-    from deformconv.backends import (ROI_BACKENDS, not_supported_reasons, select_backend, select_op_backend,
-                                     triton_interpret_mode)
     import os
+
+    import deformconv
+    from deformconv.ops.common.dispatch import BACKENDS, ops, select_backend, triton_interpret_mode
 
     print(f"deformconv  {deformconv.__version__}")
     print(f"python      {platform.python_version()}")
@@ -37,7 +37,9 @@ def run(args: argparse.Namespace) -> int:
     print()
     for d in devices:
         name = torch.cuda.get_device_name(d) if d.type == "cuda" else (platform.processor() or platform.machine())
-        extra = f" (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(d)))})" if d.type == "cuda" else ""
+        extra = ""
+        if d.type == "cuda":
+            extra = f" (compute capability {'.'.join(map(str, torch.cuda.get_device_capability(d)))})"
         print(f"device {d}: {name}{extra}")
     if triton_interpret_mode():
         print("TRITON_INTERPRET=1: Triton kernels run in the CPU interpreter (slow; for testing)")
@@ -47,21 +49,25 @@ def run(args: argparse.Namespace) -> int:
         if os.environ.get(name):
             print(f"{name}={os.environ[name]}: {var.effect}")
     print()
-    print(f"{'device':<8} {'dtype':<10} {'backend':<10} the other backends")
+    names = ops()
+    width = max(len(n) for n in names) + 2
+    print("the backend each op takes (DEFORMCONV_BACKEND or backend= may force another that can run)")
+    print(f"{'device':<8} {'dtype':<10} " + "".join(f"{n:<{width}}" for n in names).rstrip())
     for d in devices:
         for dt in DTYPES:
-            reasons = not_supported_reasons(d, dt)
-            try:
-                chosen = select_backend(d, dt)
-            except RuntimeError:
-                chosen = "none"
-            why = "; ".join(f"{b}: {'cannot run: ' + ', '.join(r) if r else 'can run, with backend=' + repr(b)}"
-                            for b, r in reasons.items() if b != chosen)
-            print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {chosen:<10} {why}")
+            row = []
+            for op in names:
+                try:
+                    row.append(select_backend(d, dt, op=op))
+                except RuntimeError:
+                    row.append("none")
+            print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} " + "".join(f"{b:<{width}}" for b in row).rstrip())
     print()
-    print(f"{'device':<8} {'dtype':<10} {'DCNv3/DCNv4, attention':<24} RoI pooling")
+    print("the backends that cannot run, and why")
     for d in devices:
         for dt in DTYPES:
-            print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {select_op_backend(d, dt, ''):<24} "
-                  f"{select_op_backend(d, dt, '', ROI_BACKENDS)}")
+            for b, backend in BACKENDS.items():
+                why = backend.not_supported_reasons(d, dt)
+                if why:
+                    print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} {b:<10} {'; '.join(why)}")
     return 0

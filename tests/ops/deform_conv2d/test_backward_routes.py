@@ -6,13 +6,29 @@ import zlib
 
 import pytest
 import torch
+from _dcn_cases import (
+    BACKENDS,
+    CONFIGS,
+    GRAD_NAMES,
+    TRITON_BACKENDS,
+    channels_last_leaf,
+    compare_to_oracle,
+    deterministic_mode,
+    fwd_bwd,
+    leaves_with_grad,
+)
+from _naive import naive_deform_conv2d
+from conftest import (
+    FINISH_CASE_IDS,
+    FINISH_CASES,
+    assert_close,
+    check_finish_grads,
+    kernel_modules,
+    launch_metas,
+    make_case,
+)
 
 import deformconv
-from conftest import (FINISH_CASE_IDS, FINISH_CASES, assert_close, check_finish_grads, kernel_modules, launch_metas,
-                      make_case)
-from _dcn_cases import (BACKENDS, CONFIGS, GRAD_NAMES, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle,
-                        deterministic_mode, fwd_bwd, leaves_with_grad)
-from _naive import naive_deform_conv2d
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -33,13 +49,15 @@ def test_grad_input_kernel_taps_split_across_programs(backend, dtype, split, con
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("split,per_image", [(1, None), (3, True), (3, False)],
-                         ids=["split-1-channel-sum", "split-3-bias-fused-tiles-per-image", "split-3-bias-fused-tiles-flat"])
+                         ids=["split-1-channel-sum", "split-3-bias-fused-tiles-per-image",
+                              "split-3-bias-fused-tiles-flat"])
 @pytest.mark.parametrize("config,weight_layout", [("3x3-pad1", "contiguous"), ("3x3-pad1", "channels_last"),
                                                   ("zero-mask-no-bias", "contiguous"),
                                                   ("groups2-og4-packed-tail", "channels_last")],
                          ids=["3x3-pad1", "3x3-pad1-channels-last-weight", "zero-mask-no-bias",
                               "groups2-og4-packed-tail-channels-last-weight"])
-def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, weight_layout, config, monkeypatch, forced):
+def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, weight_layout, config, monkeypatch,
+                                           forced):
     """In a one-chunk backward whose grad_weight is split (fused_bias) the grad_weight kernel also sums grad_bias, in
     extra programs, into fp32 partials summed after, and no separate channel sum runs; with split 1 the channel sum
     does. Both give the oracle's gradients, with either weight layout (grad_weight comes back in the weight's); the
@@ -55,7 +73,8 @@ def test_grad_weight_kernel_sums_grad_bias(backend, dtype, split, per_image, wei
     real_sum, real_finish = kernels.backward.channel_sum, kernels.backward.finish_grads
     monkeypatch.setattr(kernels.backward, "channel_sum", lambda t: sums.append(t.shape) or real_sum(t))
     monkeypatch.setattr(kernels.backward, "finish_grads",
-                        lambda w, pw, pb, *a: finishes.append((pw is not None, pb is not None)) or real_finish(w, pw, pb, *a))
+                        lambda w, pw, pb, *a: (finishes.append((pw is not None, pb is not None))
+                                               or real_finish(w, pw, pb, *a)))
     args, kwargs = make_case(**dict(CONFIGS[config], n=2), dtype=dtype, seed=zlib.crc32(config.encode()) % 977)
     leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     if weight_layout == "channels_last":
@@ -198,8 +217,8 @@ def test_eager_backward_keeps_the_fused_kernels(backend, dtype, monkeypatch, for
 @pytest.mark.parametrize("weight_layout", ["contiguous", "channels_last"])
 def test_grad_weight_at_split_1_stored_directly_or_finished(backend, dtype, direct, weight_layout, monkeypatch, forced):
     """At split 1 in a one-chunk backward the grad_weight kernel writes grad_weight in the weight's layout and dtype
-    (options.direct_grad_weight), or, turned off, fp32 partials that finish_grads unpacks: the oracle's gradients either way,
-    in the weight's memory format."""
+    (options.direct_grad_weight), or, turned off, fp32 partials that finish_grads unpacks: the oracle's gradients either
+    way, in the weight's memory format."""
 
     kernels = kernel_modules()
 

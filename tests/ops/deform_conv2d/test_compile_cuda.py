@@ -1,16 +1,16 @@
 """The compile route on a CUDA GPU (skipped without one): torch.compile decomposes the op into its Triton kernels,
-which Inductor launches from its own code (library.py); results and gradients equal the float64 reference within the
-dtype's tolerance, as eager's do; CUDA graphs (mode="reduce-overhead") capture a training step; symbolic shapes
-keep the op opaque and still work; torch.export keeps the op whole."""
+which Inductor launches from its own code (ops/deform_conv2d/op.py); results and gradients equal the float64 reference
+within the dtype's tolerance, as eager's do; CUDA graphs (mode="reduce-overhead") capture a training step; symbolic
+shapes keep the op opaque and still work; torch.export keeps the op whole."""
 
 import re
 
 import pytest
 import torch
+from conftest import HAS_CUDA, assert_close, make_case
 from torch._inductor.utils import run_and_get_code
 
 import deformconv
-from conftest import HAS_CUDA, assert_close, make_case
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -85,7 +85,8 @@ def test_compiled_code_launches_the_kernels_and_matches_the_reference(name, dtyp
     for kernel in KERNELS:
         cases, column_kernel = COLUMN_ROUTES.get(kernel, ((), None))
         columns = name in cases and dtype != torch.float32
-        assert launched(kernel) != columns, f"{kernel} launched: {launched(kernel)}, its column route expected: {columns}"
+        assert launched(kernel) != columns, (f"{kernel} launched: {launched(kernel)}, its column route expected: "
+                                             f"{columns}")
         if column_kernel is not None:
             assert launched(column_kernel) == columns, f"{column_kernel} launched: {launched(column_kernel)}"
     assert "torch.ops.deformconv" not in code, "the op stayed opaque"
@@ -163,8 +164,9 @@ def test_reduce_overhead_captures_a_training_step():
     counters.clear()
     c_losses, c_params = _train(_net(), x, 4, lambda f: torch.compile(f, mode="reduce-overhead", fullgraph=True))
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    for what, eager, compiled, ref in [("losses", torch.stack(losses), torch.stack(c_losses), torch.stack(ref_losses)),
-                                       *[(f"parameter {i}", *t) for i, t in enumerate(zip(params, c_params, ref_params))]]:
+    compared = [("losses", torch.stack(losses), torch.stack(c_losses), torch.stack(ref_losses)),
+                *[(f"parameter {i}", *t) for i, t in enumerate(zip(params, c_params, ref_params))]]
+    for what, eager, compiled, ref in compared:
         eager_error = (eager.double() - ref).abs().max().item()
         compiled_error = (compiled.double() - ref).abs().max().item()
         assert compiled_error <= 4 * eager_error + 1e-6 * ref.abs().max().item(), (what, compiled_error, eager_error)

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from conftest import CountingKernel, kernel_modules, nan_filled_empty, requires_interpreter
+
 from deformconv.checks import ConvGeometry
 from deformconv.config import options
 
@@ -16,7 +16,8 @@ def _geo(cin=256, cout=256, groups=1, og=1, n=8, h=50, w=76):
                         out_h=h, out_w=w)
 
 
-@pytest.mark.parametrize("geo", [_geo(), _geo(128, 128), _geo(64, 64, og=8, n=16, h=128, w=128), _geo(6, 4, 2, 3, 1, 5, 4)],
+@pytest.mark.parametrize("geo", [_geo(), _geo(128, 128), _geo(64, 64, og=8, n=16, h=128, w=128),
+                                 _geo(6, 4, 2, 3, 1, 5, 4)],
                          ids=["det-s4", "det-s3", "hires-g8", "segments-1"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
 def test_candidate_lists_are_small_and_valid(geo, dtype):
@@ -73,8 +74,8 @@ def test_pack_weight_layouts(groups, k_major, path, weight_layout, taps, monkeyp
 @pytest.mark.parametrize("grouped", [False, True], ids=["nhwc", "offset-grouped"])
 def test_forward_operands_pack_and_transpose_in_one_launch(grouped, k_major, weight_layout, fused, monkeypatch, forced):
     """forward_operands: an NCHW input's copy (NHWC, or offset-grouped [N, G, H, W, C/G]) and the packed weight (cast
-    to the input's dtype) from one _pack_and_transpose_kernel launch (options.fused_prep), or from the two separate passes:
-    the same bits as torch's permutes either way, every element written (outputs poisoned)."""
+    to the input's dtype) from one _pack_and_transpose_kernel launch (options.fused_prep), or from the two separate
+    passes: the same bits as torch's permutes either way, every element written (outputs poisoned)."""
     forced(layout_kernels_on_cpu=True, fused_prep=fused)  # and no cached launches: all are counted
     launches = {}
     for name in ("_pack_and_transpose_kernel", "_pack_weight_kernel", "_transpose_kernel"):

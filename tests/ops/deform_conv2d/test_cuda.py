@@ -2,18 +2,27 @@
 reference and torchvision, by dtype; poisoned outputs; layouts; int64 indexing; compile/export/autocast;
 deterministic mode; a short training run."""
 
+import dataclasses
 import math
 import random
 
-import dataclasses
-
 import pytest
 import torch
+from conftest import (
+    FINISH_CASE_IDS,
+    FINISH_CASES,
+    HAS_CUDA,
+    assert_close,
+    assert_near_rounding,
+    check_finish_grads,
+    kernel_modules,
+    launch_metas,
+    make_case,
+    nan_filled_empty,
+)
 
 import deformconv
 from deformconv.config import options
-from conftest import (FINISH_CASE_IDS, FINISH_CASES, HAS_CUDA, assert_close, assert_near_rounding, check_finish_grads,
-                      kernel_modules, launch_metas, make_case, nan_filled_empty)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 
@@ -218,8 +227,8 @@ def test_random_layers_match_float64_reference(seed):
 
 @pytest.mark.parametrize("dtype,tf32", [(torch.float16, False), (torch.bfloat16, False), (torch.float32, False),
                                         (torch.float32, True)], ids=["float16", "bfloat16", "float32", "float32-tf32"])
-@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64", "cout-512-tma",
-                                   "flat-tiles-tma"])
+@pytest.mark.parametrize("shape", ["det-like", "cout-256-wide-tile", "og8-packed-segments", "groups2-64",
+                                   "cout-512-tma", "flat-tiles-tma"])
 def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch, forced):
     """Every kernel's default config with Config.tma forced on, then off: the forward and grad_weight equal bit for
     bit (the same products in the same order), and both runs match the float64 reference (in TF32, as fp32 runs
@@ -257,11 +266,12 @@ def test_tma_tiles_match_pointer_tiles(shape, dtype, tf32, monkeypatch, forced):
 @pytest.mark.parametrize("wide", [False, True], ids=["16-byte-runs", "wide-runs"])
 @pytest.mark.parametrize("shape", ["runs-per-image", "runs-flat-wide", "det-like", "og8-packed-segments"])
 def test_forward_runs_and_fused_layout_pass_change_no_bits(shape, wide, dtype, monkeypatch, forced):
-    """The forward with its NCHW output stored in runs (options.run_stores) and the weight packed in the input's transpose
-    launch (options.fused_prep), then with both off: the same bits, and the float64 reference's numbers. The run stores
-    apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or (CodegenProfile.wide_run_stores) to any
-    output with unpacked segments, in runs of the largest power of two dividing Ho*Wo and the tile, up to 16 bytes;
-    the fused pass to every NCHW input."""
+    """The forward with its NCHW output stored in runs (options.run_stores) and the weight packed in the input's
+    transpose launch (options.fused_prep), then with both off: the same bits, and the float64 reference's numbers. The
+    run stores apply to 16-bit outputs whose Ho*Wo is a multiple of 8 (here the two runs-* shapes), or
+    (CodegenProfile.wide_run_stores) to any output with unpacked segments, in runs of the largest power of two dividing
+    Ho*Wo and the tile, up to 16 bytes; the
+    fused pass to every NCHW input."""
     kernels = kernel_modules()
 
     forced(profile=dataclasses.replace(kernels.forward.codegen_profile(), wide_run_stores=wide))
@@ -538,7 +548,8 @@ def test_backward_in_one_image_chunks_matches_reference(shape, deterministic, mo
     monkeypatch.setattr(kernels.schedule, "_chunked_weight_bytes", lambda *a: 0)
     chunks = []
     real = kernels.backward._backward_chunk
-    monkeypatch.setattr(kernels.backward, "_backward_chunk", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
+    monkeypatch.setattr(kernels.backward, "_backward_chunk",
+                        lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = _case(shape, torch.float16, seed=13)
     torch.use_deterministic_algorithms(deterministic)
     try:
@@ -668,7 +679,8 @@ def test_non_finite_offsets_and_masks_as_in_torchvision(dtype, layer, where, val
         mask[0, 4, 2, 3] = value
     else:
         offset[0, 8 if where == "offset-dy" else 9, 2, 3] = value
-    gout = torch.randn(2, 32, 9, 11, device="cuda", dtype=torch.float64, generator=torch.Generator("cuda").manual_seed(3))
+    gout = torch.randn(2, 32, 9, 11, device="cuda", dtype=torch.float64,
+                       generator=torch.Generator("cuda").manual_seed(3))
 
     def run(fn, cast, device="cuda"):  # both sides see the inputs rounded to dtype
         leaves = [t.detach().to(dtype).to(device, cast).requires_grad_(True) for t in (x, offset, weight, bias, mask)]

@@ -5,12 +5,17 @@ import zlib
 
 import pytest
 import torch
-
-from conftest import CountingKernel, kernel_modules, launch_metas, make_case
-from _dcn_cases import (BACKENDS, CONFIGS, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle, deterministic_mode,
-                        leaves_with_grad)
+from _dcn_cases import (
+    BACKENDS,
+    CONFIGS,
+    TRITON_BACKENDS,
+    channels_last_leaf,
+    compare_to_oracle,
+    deterministic_mode,
+    leaves_with_grad,
+)
 from _naive import naive_deform_conv2d
-
+from conftest import CountingKernel, kernel_modules, launch_metas, make_case
 
 CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det else 'atomics'}")
                for c, lay, det in [("3x3-pad1", "nchw", False), ("3x3-pad1", "channels_last", False),
@@ -32,7 +37,8 @@ def test_backward_in_image_chunks(backend, dtype, layout, deterministic, config,
     monkeypatch.setattr(kernels.schedule, "_chunked_weight_bytes", lambda *a: 0)
     chunks = []
     real = kernels.backward._backward_chunk
-    monkeypatch.setattr(kernels.backward, "_backward_chunk", lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
+    monkeypatch.setattr(kernels.backward, "_backward_chunk",
+                        lambda go, x, *a: chunks.append(x.shape[0]) or real(go, x, *a))
     args, kwargs = make_case(**dict(CONFIGS[config], n=5), dtype=dtype, seed=zlib.crc32(config.encode()) % 983)
     leaves64 = leaves_with_grad(args, kwargs, torch.float64)
     if layout == "channels_last":
@@ -91,8 +97,8 @@ def test_backward_chunk_images_counts_the_offset_grouped_copy():
 ], ids=["det-s4", "cls-14", "det-s5-fp32-channels-last", "det-s3", "det-s3-fp32-channels-last", "one-large-image"])
 def test_concurrent_backward_where_the_batch_is_small(shape, dtype, channels_last, concurrent, monkeypatch, forced):
     """grad_weight runs beside the grad_input kernel (on a side stream) where the whole batch has at most
-    options.min_chunk_programs M tiles, or where the budget admits the whole batch with grad_weight's partials beside the
-    accumulator; then the backward is one chunk. Only when both kernels run."""
+    options.min_chunk_programs M tiles, or where the budget admits the whole batch with grad_weight's partials beside
+    the accumulator; then the backward is one chunk. Only when both kernels run."""
     kernels = kernel_modules()
     monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)  # the meta device stands for CUDA
     x, go = _meta(shape, dtype, channels_last), _meta(shape, dtype, channels_last)
@@ -125,8 +131,9 @@ def test_workspace_budget_from_the_environment(monkeypatch, forced):
     assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 8
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "2")
     assert kernels.schedule.backward_chunk_images(x, x, True, True, False) == 4
-    # a budget set here is kept below the options.min_chunk_programs floor: cls-14's 64 small images (8 bytes of scratch an
-    # fp16 input element: 1.5 x 2 / 8 of the batch) run in chunks of 24, not whole, and without the side stream
+    # a budget set here is kept below the options.min_chunk_programs floor: cls-14's 64 small images (8 bytes of
+    # scratch an fp16 input element: 1.5 x 2 / 8 of the batch) run in chunks of 24, not whole, and without the side
+    # stream
     monkeypatch.setattr(kernels.schedule, "side_streams_usable", lambda device: True)
     small = _meta((64, 256, 14, 14), torch.float16)
     monkeypatch.setenv("DEFORMCONV_WORKSPACE_BUDGET", "1.5")
@@ -168,12 +175,13 @@ def test_backward_chunks_only_where_they_save_memory(shape, budget, images, monk
     ("3x3-pad1", "nchw", False), ("og4-packed-segments", "nchw", False), ("3x3-pad1", "nchw", True),
     ("3x3-pad1", "channels_last", False)], ids=["nchw", "offset-grouped", "nchw-deterministic", "channels-last-input"])
 @pytest.mark.parametrize("paired", [True, False], ids=["paired", "separate"])
-def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch, forced):
-    """With the layout copies through _transpose_kernel as on the GPU (options.layout_kernels_on_cpu; the CPU otherwise uses
-    torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a channels-last
-    input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no channel-sum
-    launch, no bias rows in the grad_weight kernel), the two passes run in one _transpose_pair_kernel launch where
-    both exist (options.paired_transposes; else one launch each), and every gradient is the oracle's."""
+def test_backward_through_the_layout_kernels(backend, dtype, config, input_layout, deterministic, paired, monkeypatch,
+                                             forced):
+    """With the layout copies through _transpose_kernel as on the GPU (options.layout_kernels_on_cpu; the CPU otherwise
+    uses torch's): an NCHW input's pass zeroes grad_input's accumulator (fp32, or int64 when deterministic; a
+    channels-last input has no pass and gets a plain zeroing), the NCHW grad_out's pass sums grad_bias's partials (no
+    channel-sum launch, no bias rows in the grad_weight kernel), the two passes run in one _transpose_pair_kernel launch
+    where both exist (options.paired_transposes; else one launch each), and every gradient is the oracle's."""
     kernels = kernel_modules()
 
     forced(layout_kernels_on_cpu=True, paired_transposes=paired)  # and no cached launches: all are counted
@@ -223,7 +231,8 @@ def test_transpose_kernel_sizes_its_tiles_to_a_short_side(n, a, b):
 
 
 @pytest.mark.skipif(not any(p.values[0] == "triton" for p in BACKENDS), reason="needs the Triton backend here")
-@pytest.mark.parametrize("n,a,b,zero_dtype", [(2, 8, 1000, torch.float32), (3, 70, 9, torch.int64), (1, 3, 5, torch.float32)],
+@pytest.mark.parametrize("n,a,b,zero_dtype", [(2, 8, 1000, torch.float32), (3, 70, 9, torch.int64),
+                                              (1, 3, 5, torch.float32)],
                          ids=["short-rows-fp32-zeros", "short-columns-int64-zeros", "tiny"])
 def test_transpose_kernel_zeroes_and_sums_on_the_way(n, a, b, zero_dtype):
     """The transpose pass's two extras (the backward's): a buffer of the output's size zeroed (grad_input's fp32 or

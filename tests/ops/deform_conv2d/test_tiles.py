@@ -6,12 +6,19 @@ import zlib
 
 import pytest
 import torch
+from _dcn_cases import (
+    CONFIGS,
+    GRAD_NAMES,
+    TRITON_BACKENDS,
+    channels_last_leaf,
+    compare_to_oracle,
+    fwd_bwd,
+    leaves_with_grad,
+)
+from _naive import naive_deform_conv2d
+from conftest import assert_close, kernel_modules, launch_metas, make_case, nan_filled_empty, plans
 
 import deformconv
-from conftest import assert_close, kernel_modules, launch_metas, make_case, nan_filled_empty, plans
-from _dcn_cases import (CONFIGS, GRAD_NAMES, TRITON_BACKENDS, channels_last_leaf, compare_to_oracle, fwd_bwd,
-                        leaves_with_grad)
-from _naive import naive_deform_conv2d
 
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
@@ -28,9 +35,10 @@ def test_position_tilings(backend, dtype, per_image, config, monkeypatch, forced
     compare_to_oracle(backend, dtype, leaves_with_grad(args, kwargs, torch.float64), kwargs, naive_deform_conv2d)
 
 
-# RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (CodegenProfile.wide_run_stores on, off). 320 positions: the old
-# rule's 8-element runs for 16 bits; wide runs: up to 16 bytes of any dtype, as far as Ho*Wo and the tile both divide
-# (gcd(196, 64 or 128) = 4); None: not run (the old rule stores no runs at 196 positions, so both calls would be alike).
+# RUN_STORE by (Ho*Wo, element size) for 64- and 128-row tiles: (CodegenProfile.wide_run_stores on, off). 320 positions:
+# the old rule's 8-element runs for 16 bits; wide runs: up to 16 bytes of any dtype, as far as Ho*Wo and the tile both
+# divide (gcd(196, 64 or 128) = 4); None: not run (the old rule stores no runs at 196 positions, so both calls would be
+# alike).
 RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, None), (14, 14, 4): (4, None)}
 
 
@@ -40,8 +48,8 @@ RUN_STORE_CASES = {(16, 20, 2): (8, 8), (16, 20, 4): (4, 0), (14, 14, 2): (4, No
                          ids=["16x20-wide-runs", "16x20-16-byte-runs", "14x14-wide-runs"])  # 14x14 has no 16-byte runs
 def test_forward_stores_nchw_output_in_runs(backend, dtype, per_image, hw, wide, monkeypatch, forced):
     """An NCHW output (unpacked segments: 16 channels) is stored in runs along each channel plane from whole tiles
-    inside one image (RUN_STORE, run_store_length: RUN_STORE_CASES), else from the accumulator's layout: the same bits either
-    way, every element written (outputs poisoned), and the float64 reference's numbers. 3 images in 128-row tiles
+    inside one image (RUN_STORE, run_store_length: RUN_STORE_CASES), else from the accumulator's layout: the same bits
+    either way, every element written (outputs poisoned), and the float64 reference's numbers. 3 images in 128-row tiles
     (fp32: 64); 196 positions divide into neither, so per-image tiles end in a partial tile and flat tiles straddle
     images."""
     kernels = kernel_modules()

@@ -4,9 +4,9 @@ the module training in bf16."""
 
 import pytest
 import torch
+from conftest import HAS_CUDA, assert_close
 
 import deformconv
-from conftest import HAS_CUDA, assert_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 

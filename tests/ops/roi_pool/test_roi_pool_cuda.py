@@ -5,9 +5,9 @@ without offsets; deterministic mode."""
 import pytest
 import torch
 import torchvision
+from conftest import HAS_CUDA, TOL, assert_close
 
 import deformconv
-from conftest import HAS_CUDA, TOL, assert_close
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
 

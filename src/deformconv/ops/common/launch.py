@@ -121,8 +121,8 @@ def remember(cache: dict, key: tuple, value):
 
 def memoized(memo, slot: str, make):
     """memo[slot], made by make() on first use; make() alone where there is no memo. A memo is a dict kept by a
-    caller that knows the call signature already (ops/deform_conv2d/call.py): what a launcher found for it by its own
-    key (a plan, a Launch) is held there, so that later calls build no key."""
+    caller that knows the call signature already (ops/deform_conv2d/triton/call.py): what a launcher found for it by its
+    own key (a plan, a Launch) is held there, so that later calls build no key."""
     if memo is None:
         return make()
     found = memo.get(slot)
@@ -236,7 +236,8 @@ def pick_config(key: tuple, candidates: list, launch, device: torch.device):
     candidate must beat the default by 5% to replace it. chosen_configs() records each class's first choice."""
     tuned_configs = options.cache("tuned")
     timed = config.autotune() and len(candidates) > 1
-    if (device.type != "cuda" or config.tracing() or not timed and shared_memory_per_block(device) >= TUNED_SHARED_MEMORY
+    if (device.type != "cuda" or config.tracing()
+            or not timed and shared_memory_per_block(device) >= TUNED_SHARED_MEMORY
             or torch.cuda.is_current_stream_capturing()):
         tuned_configs.setdefault(key, candidates[0])
         return candidates[0]

@@ -38,7 +38,6 @@ from torch import Tensor
 from ...checks import ConvGeometry, geometry_from_tensors, suggest_memory_format
 from .reference import chunk_images, compute_dtype
 
-
 # Scratch buffers (the samples, a corner, grad_col) are kept per thread between calls up to this many elements
 # each (16 MiB in float32): a freshly allocated one costs a page fault per 4 KiB on first touch, several times the
 # gather that fills it. Larger ones are allocated for the call.
@@ -99,7 +98,8 @@ class _Samples:
         rows_ok = (inside & (y0i >= 0), inside & (y0i < H - 1))  # rows y0 and y0 + 1 in the image
         cols_ok = (x0i >= 0, x0i < W - 1)                         # columns x0 and x0 + 1
         # row of (image b, pixel p, group g) = (b*H*W + p)*G + g; the zero row is n*H*W*G
-        base = (torch.arange(n, device=dev) * (H * W * G)).view(n, 1, 1, 1) + torch.arange(G, device=dev).view(1, 1, 1, G)
+        base = ((torch.arange(n, device=dev) * (H * W * G)).view(n, 1, 1, 1)
+                + torch.arange(G, device=dev).view(1, 1, 1, G))
         row00 = base + (y0i * W + x0i) * G
         zero_row = n * H * W * G
         self.index: List[Tensor] = []
@@ -177,9 +177,10 @@ def _group_columns(col: Tensor, geo: ConvGeometry, gi: int) -> Tensor:
 
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], keep: Optional[dict] = None,
 ) -> Tensor:
-    """out [N, Cout, Ho, Wo] in input's dtype and memory format."""
+    """out [N, Cout, Ho, Wo] in input's dtype and memory format. keep: unused (the backward keeps nothing of the
+    forward's)."""
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
     ctype = compute_dtype(input.dtype)
     gdtype = _gemm_dtype(input.dtype, ctype)
@@ -212,6 +213,7 @@ def deform_conv2d_forward(
 def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
+    keep: Optional[dict] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients (input, offset, mask, weight, bias), None where ``needs`` (same order) does not ask for one."""
     need_in, need_off, need_mask, need_w, need_b = needs

@@ -73,7 +73,8 @@ def _sampling(offset: Tensor, geo: ConvGeometry, ctype: torch.dtype):
     y0i = y0.clamp(-2, H + 1).to(torch.int64)
     x0i = x0.clamp(-2, W + 1).to(torch.int64)
     corners = []
-    for yi, xi, wgt in ((y0i, x0i, hy * hx), (y0i, x0i + 1, hy * lx), (y0i + 1, x0i, ly * hx), (y0i + 1, x0i + 1, ly * lx)):
+    for yi, xi, wgt in ((y0i, x0i, hy * hx), (y0i, x0i + 1, hy * lx), (y0i + 1, x0i, ly * hx),
+                        (y0i + 1, x0i + 1, ly * lx)):
         valid = inside & (yi >= 0) & (yi < H) & (xi >= 0) & (xi < W)
         flat = (yi.clamp(0, H - 1) * W + xi.clamp(0, W - 1)).reshape(n, G, K * L)
         corners.append((flat, torch.where(valid, wgt, torch.zeros_like(wgt)), valid))
@@ -114,9 +115,10 @@ def _modulated(val: Tensor, mask: Optional[Tensor], geo: ConvGeometry) -> Tensor
 
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
-    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int],
+    stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], keep: Optional[dict] = None,
 ) -> Tensor:
-    """out [N, Cout, Ho, Wo] in input's dtype and memory format."""
+    """out [N, Cout, Ho, Wo] in input's dtype and memory format. keep: unused (the backward keeps nothing of the
+    forward's)."""
     geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
     ctype = compute_dtype(input.dtype)
     N, L = geo.batch, geo.out_h * geo.out_w
@@ -138,6 +140,7 @@ def deform_conv2d_forward(
 def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
+    keep: Optional[dict] = None,
 ) -> Tuple[Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """Gradients (input, offset, mask, weight, bias); an entry is None where ``needs`` says it is not wanted
     (``needs`` is in that same order)."""

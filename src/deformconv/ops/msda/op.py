@@ -1,6 +1,6 @@
 """The ``deformconv::ms_deform_attn`` operator: torch.library registration of the forward and backward ops, their
 fake implementations, the autograd formula and the autocast rule. ``backend`` is a name or "" (automatic:
-backends.select_op_backend)."""
+common/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -9,26 +9,20 @@ from typing import List, Tuple
 import torch
 from torch import Tensor
 
-from ...backends import select_op_backend
-from ...library import register_autocast
-from . import reference
+from ..common import dispatch
+from ..common.autocast import register_autocast
+
+# Every backend's module has ms_deform_attn_forward and ms_deform_attn_backward.
+dispatch.register("ms_deform_attn", {"triton": f"{__package__}.triton", "cpu": f"{__package__}.cpu",
+                                     "reference": f"{__package__}.reference"})
 
 
 def _impl(value: Tensor, backend: str):
-    chosen = "reference" if value.shape[0] == 0 else select_op_backend(value.device, value.dtype, backend)
-    if chosen == "reference":
-        return reference
-    if chosen == "cpu":
-        from . import cpu
-
-        return cpu
-    from . import triton as kernels
-
-    return kernels
+    return dispatch.implementation("ms_deform_attn", value, backend)
 
 
 def msda_forward(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend) -> Tensor:
-    """The op's forward (also the eager fast path's: deformconv.eager.run_eager)."""
+    """The op's forward (also the eager fast path's: common/eager.run_eager)."""
     return _impl(value, backend).ms_deform_attn_forward(value, spatial_shapes, level_start_index, sampling_locations,
                                                         attention_weights)
 

@@ -23,8 +23,17 @@ from torch import Tensor
 
 from ...config import options
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import (Launch, aligned16, backward_warps, ceil_div, channel_row_blocks, on_device_of,
-                             pointer_specs, preload_points, remember)
+from ..common.launch import (
+    Launch,
+    aligned16,
+    backward_warps,
+    ceil_div,
+    channel_row_blocks,
+    on_device_of,
+    pointer_specs,
+    preload_points,
+    remember,
+)
 from ..common.sampling import accumulate_point, join_columns, point_corners, point_grads, row_points
 
 # --- configs -------------------------------------------------------------------------------------------
@@ -79,17 +88,12 @@ def _point(loc_ptr, attn_ptr, idx, h, w, pix_base, PIX, r_ok):
 
 @triton.jit
 def _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img, r_ok, cc, d_ok,
-                      S, PIX, D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr, UNROLL: tl.constexpr):
+                      S, PIX, D: tl.constexpr, P: tl.constexpr, BLOCK_D: tl.constexpr):
     """acc + level lvl's attention-weighted bilinear samples [BLOCK_Q, BLOCK_D] of its P points."""
     h, w, pix_base = _level(shapes_ptr, starts_ptr, lvl, r_img, S, PIX)
-    if UNROLL:
-        for p in tl.static_range(P):
-            acc = _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, point_row + lvl * P + p, h, w, pix_base, PIX,
-                                    r_ok, cc, d_ok, D, BLOCK_D)
-    else:
-        for p in range(P):
-            acc = _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, point_row + lvl * P + p, h, w, pix_base, PIX,
-                                    r_ok, cc, d_ok, D, BLOCK_D)
+    for p in range(P):
+        acc = _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, point_row + lvl * P + p, h, w, pix_base, PIX, r_ok,
+                                cc, d_ok, D, BLOCK_D)
     return acc
 
 
@@ -111,7 +115,6 @@ def _msda_fwd_kernel(
     out_ptr,      # [N, Lq, M, D]
     R, LQ, S, M,  # R = N·Lq rows
     D: tl.constexpr, L: tl.constexpr, P: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr,
-    UNROLL: tl.constexpr,  # the level and point loops unrolled (a later point's loads issued early)
     PRELOAD: tl.constexpr,  # the locations and weights of all L·P ≤ 16 points loaded first (row_points)
 ):
     """out[r, m·D + d] = Σ_l Σ_p a · bilinear(value level l, head m, channel d). Grid: (row tiles, M)."""
@@ -126,14 +129,10 @@ def _msda_fwd_kernel(
                 p00, v00, v01, v10, v11, ly, lx, inside, a = _point_at(xs[lvl * P + p], ys[lvl * P + p],
                                                                        ats[lvl * P + p], h, w, pix_base, PIX, r_ok)
                 acc = accumulate_point(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, cc, d_ok, w, PIX, D, BLOCK_D)
-    elif UNROLL:
-        for lvl in tl.static_range(L):
-            acc = _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img,
-                                    r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D, UNROLL)
     else:
         for lvl in range(L):
             acc = _accumulate_level(acc, value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr, point_row, lvl, r_img,
-                                    r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D, UNROLL)
+                                    r_ok, cc, d_ok, S, PIX, D, P, BLOCK_D)
     out = out_ptr + (rows.to(tl.int64) * M + m)[:, None] * D + offs_d[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
@@ -235,7 +234,7 @@ class Call:
         self.dtype, self.device = value.dtype, value.device
         self.preload = preload_points(self.meta["L"] * self.meta["P"])
         self.forward_launch = Launch(_msda_fwd_kernel, self.grid, self.sizes,
-                                     dict(self.meta, UNROLL=options.unroll_points, PRELOAD=self.preload))
+                                     dict(self.meta, PRELOAD=self.preload))
         self.backward_launches: dict = {}
 
     def forward(self, value, shapes, starts, loc, attn) -> Tensor:

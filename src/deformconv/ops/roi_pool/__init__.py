@@ -1,5 +1,6 @@
-"""Deformable RoI pooling (Deformable ConvNets; mmcv's ``DeformRoIPool``): ``reference`` (plain PyTorch, any device
-and dtype, the oracle), ``triton`` (the kernels and their launchers) and ``op`` (the ``torch.library`` op).
+"""Deformable RoI pooling (Deformable ConvNets; mmcv's ``DeformRoIPool``) and its position-sensitive variant: ``op``
+(the ``torch.library`` ops), ``reference`` (plain PyTorch, any device and dtype, the oracle; the CPU path) and
+``triton`` (the kernels and their launchers: ``roi``, ``ps``).
 
 Each RoI (batch index, x1, y1, x2, y2) is scaled by spatial_scale and shifted by −0.5 (aligned RoIAlign, no
 rounding) and cut into ph × pw bins; bin (i, j)'s start moves by gamma · (roi width, roi height) · offset[:, (0, 1),

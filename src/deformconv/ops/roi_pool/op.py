@@ -1,7 +1,7 @@
 """The ``deformconv::deform_roi_pool`` operator: torch.library registration of the forward and backward ops, their
 fake implementations, the autograd formula and the autocast rule (the RoIs keep their dtype: box coordinates in 16
 bits would be off by up to a pixel). ``backend`` is a name or "" (automatic:
-backends.select_op_backend)."""
+common/dispatch.py)."""
 
 from __future__ import annotations
 
@@ -10,21 +10,21 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-from ...backends import ROI_BACKENDS, select_op_backend
-from ...library import register_autocast
-from . import reference
+from ..common import dispatch
+from ..common.autocast import register_autocast
+
+# No cpu backend: the reference is the CPU path (DEFORMCONV_BACKEND=cpu takes it). The modules implement
+# deform_roi_pool_forward/backward and deform_psroi_pool_forward/backward.
+dispatch.register("deform_roi_pool", {"triton": f"{__package__}.triton.roi", "reference": f"{__package__}.reference"})
+dispatch.register("deform_psroi_pool", {"triton": f"{__package__}.triton.ps", "reference": f"{__package__}.reference"})
 
 
 def _impl(input: Tensor, backend: str):
-    if select_op_backend(input.device, input.dtype, backend, ROI_BACKENDS) == "reference":
-        return reference
-    from . import triton as kernels
-
-    return kernels
+    return dispatch.implementation("deform_roi_pool", input, backend)
 
 
 def roi_pool_forward(input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma, backend) -> Tensor:
-    """The op's forward (also the eager fast path's: deformconv.eager.run_eager)."""
+    """The op's forward (also the eager fast path's: common/eager.run_eager)."""
     return _impl(input, backend).deform_roi_pool_forward(input, rois, offset, output_size, spatial_scale,
                                                          sampling_ratio, gamma)
 
@@ -87,17 +87,11 @@ deform_roi_pool_op.register_autograd(_backward, setup_context=_setup)
 register_autocast("deform_roi_pool", keep=(1,))
 
 
-# --- the position-sensitive variant (ps_reference.py) ---------------------------------------------------
+# --- the position-sensitive variant ---------------------------------------------------------------------
 
 
 def _ps_impl(input: Tensor, backend: str):
-    if select_op_backend(input.device, input.dtype, backend, ROI_BACKENDS) == "reference":
-        from . import ps_reference
-
-        return ps_reference
-    from . import ps_triton
-
-    return ps_triton
+    return dispatch.implementation("deform_psroi_pool", input, backend)
 
 
 def psroi_pool_forward(input, rois, offset, spatial_scale, pooled_size, output_dim, group_size, part_size,
