@@ -85,12 +85,14 @@ def test_info_prints_versions_and_backend_table(capsys, monkeypatch):
     assert "torch" in text and "deformconv" in text
     assert "DEFORMCONV_FAST_LAUNCH=0: `0`: every kernel launch goes through Triton's JIT call path" in text
     lines = text.splitlines()
-    header = next(line for line in lines if line.startswith("device   dtype"))
-    assert header.split()[2:] == deformconv.ops.common.dispatch.ops()  # every op has a column
-    row = next(line for line in lines if line.startswith("cpu      bfloat16")).split()
-    chosen = dict(zip(header.split()[2:], row[2:]))
-    assert chosen["deform_conv2d"] == chosen["dcnv3"] == chosen["ms_deform_attn"] == "cpu"
-    assert chosen["deform_roi_pool"] == chosen["deform_psroi_pool"] == "reference"  # RoI pooling has no cpu backend
+    start = lines.index(next(line for line in lines if line.startswith("device cpu  ")))
+    header = lines[start].split()[2:]
+    assert header == ["float16", "bfloat16", "float32", "float64"]
+    ops = deformconv.ops.common.dispatch.ops()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[start + 1:start + 1 + len(ops)]}
+    assert set(rows) == set(ops)  # every op has a row
+    assert rows["deform_conv2d"][1] == rows["dcnv3"][1] == rows["ms_deform_attn"][1] == "cpu"  # bfloat16
+    assert rows["deform_roi_pool"][1] == rows["deform_psroi_pool"][1] == "reference"  # RoI pooling has no cpu backend
     assert "cpu      float64    triton     " in text and "float64 has no tensor-core path" in text
 
 

@@ -497,7 +497,7 @@ def test_automatic_backend_and_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
         select(torch.device("cpu"), torch.float32, "cuda", op="dcnv3")
     with pytest.raises(ValueError, match="op must be one of"):
-        select(torch.device("cpu"), torch.float32, op="deform_conv3d")
+        select(torch.device("cpu"), torch.float32, op="deform_conv4d")
 
 
 def test_meta_tensors_get_the_fake_impl():

@@ -10,10 +10,13 @@ import deformconv
 from deformconv.ops.common import dispatch
 
 ROOT = pathlib.Path(deformconv.__file__).parent
-PUBLIC = {"deform_conv", "dcnv", "msda", "roi_pool", "onnx", "surgery", "cli", "integrations", "benchmark"}
+PUBLIC = {"deform_conv", "deform_conv_nd", "dcnv", "msda", "roi_pool", "onnx", "surgery", "cli", "integrations",
+          "benchmark"}
 FOUNDATION = {"config", "compat", "checks"}
 FAMILIES = {"deform_conv2d": ("deform_conv2d",), "dcnv": ("dcnv3", "dcnv4"), "msda": ("ms_deform_attn",),
-            "roi_pool": ("deform_roi_pool", "deform_psroi_pool")}
+            "roi_pool": ("deform_roi_pool", "deform_psroi_pool"),
+            "deform_conv_nd": ("deform_conv1d", "deform_conv3d", "deform_conv_transpose1d", "deform_conv_transpose2d",
+                               "deform_conv_transpose3d")}
 
 
 def _imports(path: pathlib.Path):
@@ -51,13 +54,15 @@ def test_imports_go_down_only():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_family_has_the_same_files(family):
-    """ops/<family>: op.py (the torch.library ops), reference.py (the oracle), and its Triton kernels (triton.py or a
-    triton/ folder); cpu.py where a CPU backend pays (RoI pooling's reference is its CPU path)."""
+    """ops/<family>: op.py (the torch.library ops), reference.py (the oracle), its Triton kernels (triton.py or a
+    triton/ folder) where it has a Triton backend, cpu.py where a CPU backend pays (RoI pooling's reference is its
+    CPU path)."""
     folder = ROOT / "ops" / family
     assert (folder / "op.py").is_file() and (folder / "reference.py").is_file()
-    assert (folder / "triton.py").is_file() or (folder / "triton" / "__init__.py").is_file()
+    has_triton = (folder / "triton.py").is_file() or (folder / "triton" / "__init__.py").is_file()
     has_cpu = (folder / "cpu.py").is_file()
     for op in FAMILIES[family]:
+        assert ("triton" in dispatch.backends_of(op)) == has_triton, op
         assert ("cpu" in dispatch.backends_of(op)) == has_cpu, op
 
 

@@ -37,6 +37,29 @@ class ConvGeometry(NamedTuple):
         return self.kernel_h * self.kernel_w
 
 
+def ntuple(value, name: str, rank: int, minimum: Optional[int] = None) -> Tuple[int, ...]:
+    """An int or a tuple of ``rank`` ints as a tuple of Python ints (the N-d forms' stride, padding, ...); with
+    minimum, each at least that (1: positive, 0: non-negative)."""
+    what = "an int" if rank == 1 else f"an int or a tuple of {rank} ints"
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be {what}, got a Tensor")
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be {what}, got bool {value!r}")
+    if hasattr(value, "__index__"):  # int, numpy integers
+        items = (operator.index(value),) * rank
+    else:
+        try:
+            items = tuple(value)
+        except TypeError:
+            raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}") from None
+        if len(items) != rank or not all(hasattr(v, "__index__") and not isinstance(v, bool) for v in items):
+            raise TypeError(f"{name} must be {what}, got {value!r}")
+        items = tuple(operator.index(v) for v in items)
+    if minimum is not None and min(items) < minimum:
+        raise ValueError(f"{name} must be {'positive' if minimum == 1 else 'non-negative'}, got {items}")
+    return items
+
+
 def pair(value: IntPair, name: str) -> Tuple[int, int]:
     """An int or a pair of ints as a tuple of two Python ints."""
     if isinstance(value, torch.Tensor):

@@ -52,17 +52,17 @@ def run(args: argparse.Namespace) -> int:
     names = ops()
     width = max(len(n) for n in names) + 2
     print("the backend each op takes (DEFORMCONV_BACKEND or backend= may force another that can run)")
-    print(f"{'device':<8} {'dtype':<10} " + "".join(f"{n:<{width}}" for n in names).rstrip())
     for d in devices:
-        for dt in DTYPES:
+        print(f"{'device ' + str(d):<{width}}" + "".join(f"{str(dt).split('.')[-1]:<11}" for dt in DTYPES).rstrip())
+        for op in names:
             row = []
-            for op in names:
+            for dt in DTYPES:
                 try:
                     row.append(select_backend(d, dt, op=op))
                 except RuntimeError:
                     row.append("none")
-            print(f"{str(d):<8} {str(dt).split('.')[-1]:<10} " + "".join(f"{b:<{width}}" for b in row).rstrip())
-    print()
+            print(f"{op:<{width}}" + "".join(f"{b:<11}" for b in row).rstrip())
+        print()
     print("the backends that cannot run, and why")
     for d in devices:
         for dt in DTYPES:
