@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _naive_dcn_nd import naive_deform_conv, naive_deform_conv_transpose
-from conftest import assert_close
+from conftest import assert_close, requires_interpreter
 
 import deformconv
 from deformconv.ops.deform_conv_nd import reference
@@ -182,7 +182,9 @@ BAD = {
     "weight-dtype": (lambda a: dict(a, weight=a["weight"].float()), TypeError,
                      "weight must have the same dtype as input"),
     "bias-size": (lambda a: dict(a, bias=a["bias"][1:]), ValueError, "bias must be a 1-D tensor of 3 elements"),
-    "backend": (lambda a: dict(a, backend="triton"), ValueError, r"backend must be one of \['reference'\]"),
+    "backend": (lambda a: dict(a, backend="cpu"), ValueError, r"backend must be one of \['triton', 'reference'\]"),
+    "backend-cannot-run": (lambda a: dict(a, backend="triton"), RuntimeError,
+                           "backend='triton' cannot run on device cpu with dtype torch.float64"),
     "output-size": (lambda a: dict(a, padding=0, input=a["input"][..., :1]), ValueError,
                     "computed output size .* is not positive"),
 }
@@ -262,3 +264,26 @@ def test_compile_export_and_fx_see_one_op():
     x1 = torch.randn(2, 2, 7)
     torch.testing.assert_close(traced(x1), pack(x1))
     assert sum(n.op == "call_function" and n.target.__name__ == "_call" for n in traced.graph.nodes) == 1
+
+
+@requires_interpreter
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_triton_kernels_against_the_reference(name, deterministic, monkeypatch):
+    """The Triton backend (its kernels in Triton's interpreter): output and all five gradients equal the float64
+    reference within float32's tolerance, in deterministic mode too (int64 fixed-point scatters)."""
+    leaves, call, _ = _case(name, n=2 if "3d" not in name else 1, seed=3)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        results = {}
+        for backend, dtype in (("triton", torch.float32), ("reference", torch.float64)):
+            ts = [t.to(dtype).requires_grad_(True) for t in leaves]
+            out = call(*ts, backend=backend)
+            gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+            results[backend] = (out, *torch.autograd.grad(out, ts, gout.to(dtype)))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for what, a, b in zip(("output", "input", "offset", "weight", "bias", "mask"), results["triton"],
+                          results["reference"]):
+        assert torch.isfinite(a).all(), what
+        assert_close(a, b, torch.float32, what)

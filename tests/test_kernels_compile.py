@@ -23,9 +23,11 @@ pytestmark = pytest.mark.skipif(not all(map(os.path.exists, TOOLS)),
 
 @pytest.mark.parametrize("family, arch, extra", [("deform_conv2d", 90, []), ("dcnv", 90, []), ("msda", 90, []),
                                                  ("msda", 90, ["--preload"]), ("roi_pool", 90, []),
+                                                 ("deform_conv_nd", 90, []),
                                                  ("deform_conv2d", 86, []),
                                                  ("deform_conv2d", 90, ["--scalars-constant"])],
                          ids=["deform_conv2d-sm90", "dcnv-sm90", "msda-sm90", "msda-preload-sm90", "roi_pool-sm90",
+                              "deform_conv_nd-sm90",
                               "deform_conv2d-sm86", "deform_conv2d-scalars-constant"])
 def test_every_kernel_compiles_without_spills(family, arch, extra, tmp_path):
     """--scalars-constant: the kernels the compile route hands to torch.compile also compile as its analysis of what

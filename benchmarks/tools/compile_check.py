@@ -258,7 +258,34 @@ def roi_pool_cases(dtypes):
         yield f"ps_roi_pool {str(dtype)[6:]}", run_ps
 
 
-FAMILIES = {"deform_conv2d": deform_conv2d_cases, "dcnv": dcnv_cases, "msda": msda_cases, "roi_pool": roi_pool_cases}
+def deform_conv_nd_cases(dtypes):
+    import deformconv
+
+    # (function, input shape, weight shape, offset/mask positions, extra positional arguments after bias)
+    shapes = {
+        "conv3d": ("deform_conv3d", (1, 8, 4, 5, 6), (4, 8, 3, 3, 3), (4, 5, 6), (1, 1, 1)),
+        "conv1d-og2": ("deform_conv1d", (2, 8, 11), (6, 4, 3), (11,), (1, 1, 1)),
+        "transpose2d": ("deform_conv_transpose2d", (1, 6, 5, 7), (6, 4, 3, 3), (5, 7), (2, 1, 1, 1)),
+        "transpose3d": ("deform_conv_transpose3d", (1, 4, 3, 4, 5), (4, 2, 2, 2, 2), (3, 4, 5), (2, 0, 0, 1)),
+    }
+    for name, (fn_name, x_shape, w_shape, positions, extra) in shapes.items():
+        for dtype in dtypes:
+            def run(fn_name=fn_name, x_shape=x_shape, w_shape=w_shape, positions=positions, extra=extra, dtype=dtype):
+                fn = getattr(deformconv, fn_name)
+                rank, taps = len(positions), 1
+                for k in w_shape[2:]:
+                    taps *= k
+                og = 2 if name == "conv1d-og2" else 1
+                x, w = _leaf(*x_shape, dtype=dtype), _leaf(*w_shape, dtype=dtype)
+                off = _leaf(x_shape[0], og * taps * rank, *positions, dtype=dtype)
+                mask = _leaf(x_shape[0], og * taps, *positions, dtype=dtype)
+                out = fn(x, off, w, None, *extra, mask, backend="triton")
+                _grads(out, [x, off, w, mask])
+            yield f"deform_conv_nd {name} {str(dtype)[6:]}", run
+
+
+FAMILIES = {"deform_conv2d": deform_conv2d_cases, "dcnv": dcnv_cases, "msda": msda_cases, "roi_pool": roi_pool_cases,
+            "deform_conv_nd": deform_conv_nd_cases}
 
 
 # --- resources and report ----------------------------------------------------------------------------------------

@@ -129,7 +129,8 @@ def deform_conv1d(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[
         bias (Tensor[Cout], optional): Default: ``None``.
         stride, padding, dilation (int or Tuple[int]): as ``F.conv1d``'s. Default: 1, 0, 1.
         mask (Tensor[N, offset_groups * kw, Wo], optional): modulation of each sample. Default: ``None``.
-        backend (str, optional, keyword-only): ``"reference"`` (the only one so far), ``None`` for automatic.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"`` to force one, ``None`` for
+            automatic. Default: ``None``.
 
     Returns:
         Tensor[N, Cout, Wo], ``Wo = (W + 2*padding - dilation*(kw-1) - 1) // stride + 1``.
@@ -157,7 +158,8 @@ def deform_conv3d(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[
         bias (Tensor[Cout], optional): Default: ``None``.
         stride, padding, dilation (int or Tuple[int, int, int]): as ``F.conv3d``'s. Default: 1, 0, 1.
         mask (Tensor[N, offset_groups * kd * kh * kw, Do, Ho, Wo], optional): modulation. Default: ``None``.
-        backend (str, optional, keyword-only): ``"reference"`` (the only one so far), ``None`` for automatic.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"`` to force one, ``None`` for
+            automatic. Default: ``None``.
 
     Returns:
         Tensor[N, Cout, Do, Ho, Wo].
@@ -191,7 +193,8 @@ def _transpose_doc(rank: int) -> str:
             1.
         mask (Tensor[N, offset_groups * {taps}, {axes}], optional): modulation. Default: ``None``.
         groups (int): blocked connections. Default: 1.
-        backend (str, optional, keyword-only): ``"reference"`` (the only one so far), ``None`` for automatic.
+        backend (str, optional, keyword-only): ``"triton"`` or ``"reference"`` to force one, ``None`` for
+            automatic. Default: ``None``.
 
     Returns:
         Tensor[N, Cout, ...], each size ``(size - 1)*stride - 2*padding + dilation*(k - 1) + 1 + output_padding``.

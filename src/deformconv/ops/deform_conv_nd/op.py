@@ -25,9 +25,9 @@ FORMS: Dict[str, Tuple[int, bool]] = {
 }
 
 # Every backend's module has forward(..., groups, transposed) and backward(grad_out, ..., transposed, needs) in the
-# ops' argument order. Only the reference so far: it runs on every device, the GPU included.
+# ops' argument order. No cpu backend: the reference, vectorised PyTorch, is the CPU path.
 for _name in FORMS:
-    dispatch.register(_name, {"reference": f"{__package__}.reference"})
+    dispatch.register(_name, {"triton": f"{__package__}.triton", "reference": f"{__package__}.reference"})
 
 
 def _output(name: str, input: Tensor, weight: Tensor, stride, padding, dilation, output_padding, groups) -> Tensor:

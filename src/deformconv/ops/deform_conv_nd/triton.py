@@ -1,0 +1,412 @@
+"""The N-d forms' Triton backend: a sampling kernel and its gradient's, around cuBLAS GEMMs (the column route of
+deform_conv2d's backward, ops/deform_conv2d/triton/columns.py, for every pass).
+
+Shapes (rank r ≤ 3, the input canonicalised to three spatial axes D, H, W, missing ones of size 1; K taps, L output
+positions, G offset groups of CG channels, C = G·CG):
+    x        [N, D, H, W, C]   channels-last copy of the sampled tensor (one read of CG contiguous channels a corner)
+    offset   [N, G, K, r, L]   the op's layout
+    mask     [N, G, K, L]
+    columns  [N, C, K, L]      the sampled values times the mask: rows c·K + k, the layout the weight multiplies
+
+deform_conv:       columns = sample(x); out = W·columns (per convolution group).
+                   backward: grad_columns = Wᵀ·grad_out; the gradient kernel spreads grad_columns·mask over the
+                   corners (grad_input, fp32 atomics; int64 fixed point in deterministic mode) and sums grad_offset
+                   and grad_mask over the channels; grad_weight = grad_out·columnsᵀ.
+deform_conv_transpose (the adjoint): columns = Wᵀ·input spread by the gradient kernel's scatter; its backward is
+                   deform_conv's with the roles swapped (reference.py: backward).
+
+A program owns BLOCK_L positions of one (image, offset group, tap) and loops over the group's channels in blocks of
+BLOCK_C; its 2^r corners are computed once for all of them. Accumulation in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from ..common.fixed_point import max_abs, scales_for
+from ..common.launch import ceil_div, next_pow2, on_device_of, run_cached
+from ..common.sampling import scatter_add
+from .reference import out_size, transposed_size
+
+# --- configs -------------------------------------------------------------------------------------------------------
+
+BLOCK_L = 64           # positions a program (a row of 64 coalesced column stores a channel)
+MAX_BLOCK_C = 32       # channels a pass of the channel loop
+COLUMN_BUDGET = 1 << 27  # elements of one chunk's columns (256 MiB in fp16)
+
+
+# --- kernels -------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _axis(off_ptr, o, t, size, stride, pad, dil, l_ok):
+    """One axis of the sample points: (low corner index, fraction, inside (−1 ≤ x < size), NaN)."""
+    x = (o * stride - pad + t * dil).to(tl.float32) + tl.load(off_ptr, mask=l_ok, other=0.0).to(tl.float32)
+    ok = (x >= -1.0) & (x < size)
+    bad = x != x
+    xs = tl.where(ok, x, 0.0)
+    low = tl.floor(xs)
+    return low.to(tl.int32), xs - low, ok, bad
+
+
+@triton.jit
+def _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+            KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr):
+    """The sample points of BLOCK_L positions l of tap k, group g, image n: per axis (d, h, w) the low corner and
+    fraction (0 on a missing axis), whether the point counts, and whether it is NaN."""
+    ow = l % OW
+    oh = (l // OW) % OH
+    od = l // (OW * OH)
+    kw = k % KW
+    kh = (k // KW) % KH
+    kd = k // (KW * KH)
+    base = off_ptr + ((n * G + g) * K + k).to(tl.int64) * (RANK * L) + l
+    lw, fw, okw, badw = _axis(base + (RANK - 1) * L, ow, kw, W, SW, PW, DW, l_ok)
+    inside = l_ok & okw
+    nan = badw
+    lh = tl.zeros_like(lw)
+    fh = tl.zeros_like(fw)
+    ld = lh
+    fd = fh
+    if RANK >= 2:
+        lh, fh, okh, badh = _axis(base + (RANK - 2) * L, oh, kh, H, SH, PH, DH, l_ok)
+        inside = inside & okh
+        nan = nan | badh
+    if RANK == 3:
+        ld, fd, okd, badd = _axis(base, od, kd, D, SD, PD, DD, l_ok)
+        inside = inside & okd
+        nan = nan | badd
+    return ld, lh, lw, fd, fh, fw, inside & ~nan, nan
+
+
+@triton.jit
+def _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, CORNER: tl.constexpr):
+    """Corner CORNER (bits: w, h, d) of the points: its pixel (int64), validity and weight, and the weight's
+    derivative along each axis (0 where invalid)."""
+    bw: tl.constexpr = CORNER & 1
+    bh: tl.constexpr = (CORNER >> 1) & 1
+    bd: tl.constexpr = CORNER >> 2
+    iw = lw + bw
+    ih = lh + bh
+    id = ld + bd
+    valid = inside & (iw >= 0) & (iw < W) & (ih >= 0) & (ih < H) & (id >= 0) & (id < D)
+    xw = fw if bw else 1.0 - fw
+    xh = fh if bh else 1.0 - fh
+    xd = fd if bd else 1.0 - fd
+    sw = 1.0 if bw else -1.0
+    sh = 1.0 if bh else -1.0
+    sd = 1.0 if bd else -1.0
+    pix = ((n * D + id) * H + ih).to(tl.int64) * W + iw
+    zero = tl.zeros_like(fw)
+    weight = tl.where(valid, xw * xh * xd, zero)
+    return pix, valid, weight, tl.where(valid, sd * xh * xw, zero), tl.where(valid, sh * xd * xw, zero), \
+        tl.where(valid, sw * xd * xh, zero)
+
+
+@triton.jit
+def _columns_kernel(
+    x_ptr, off_ptr, msk_ptr, col_ptr,      # see the module docstring
+    D, H, W, OH, OW, C, CG, G, K, L,       # sizes (OD follows from L)
+    SD, SH, SW, PD, PH, PW, DD, DH, DW,    # stride, padding, dilation per axis
+    KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K)."""
+    pid = tl.program_id(1)
+    k = pid % K
+    g = (pid // K) % G
+    n = pid // (K * G)
+    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = l < L
+    ld, lh, lw, fd, fh, fw, inside, nan = _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD,
+                                                  PH, PW, DD, DH, DW, KH, KW, RANK)
+    m = tl.full((BLOCK_L,), 1.0, tl.float32)
+    if HAS_MASK:
+        m = tl.load(msk_ptr + ((n * G + g) * K + k).to(tl.int64) * L + l, mask=l_ok, other=0.0).to(tl.float32)
+    for c0 in range(0, CG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        c_ok = cc < CG
+        acc = tl.zeros((BLOCK_L, BLOCK_C), tl.float32)
+        for corner in tl.static_range(1 << RANK):
+            pix, valid, weight, _, _, _ = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
+            v = tl.load(x_ptr + pix[:, None] * C + (g * CG + cc)[None, :], mask=valid[:, None] & c_ok[None, :],
+                        other=0.0).to(tl.float32)
+            acc += weight[:, None] * v
+        acc = tl.where(nan[:, None], float("nan"), acc) * m[:, None]
+        rows = (n * C + g * CG + cc).to(tl.int64) * K + k
+        tl.store(col_ptr + rows[None, :] * L + l[:, None], acc.to(col_ptr.dtype.element_ty),
+                 mask=l_ok[:, None] & c_ok[None, :])
+
+
+@triton.jit
+def _columns_grad_kernel(
+    x_ptr, off_ptr, msk_ptr, gcol_ptr,     # gcol: the columns' gradient [N, C, K, L] (before the mask)
+    gin_ptr,                               # the sampled tensor's gradient accumulator like x: fp32, int64 if FIXED
+    goff_ptr, gmsk_ptr,                    # grad_offset, grad_mask in the offset's and mask's layouts
+    scale_ptr,                             # fp32 [1]: grad_input's fixed-point scale (read if FIXED)
+    D, H, W, OH, OW, C, CG, G, K, L,
+    SD, SH, SW, PD, PH, PW, DD, DH, DW,
+    KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
+    NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr, FIXED: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """grad_input += gcol·mask·weight at each corner; grad_mask = Σ_c gcol·sample; grad_offset along each axis
+    = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (L tiles, N·G·K)."""
+    pid = tl.program_id(1)
+    k = pid % K
+    g = (pid // K) % G
+    n = pid // (K * G)
+    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = l < L
+    ld, lh, lw, fd, fh, fw, inside, nan = _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD,
+                                                  PH, PW, DD, DH, DW, KH, KW, RANK)
+    m = tl.full((BLOCK_L,), 1.0, tl.float32)
+    if HAS_MASK:
+        m = tl.load(msk_ptr + ((n * G + g) * K + k).to(tl.int64) * L + l, mask=l_ok, other=0.0).to(tl.float32)
+    scale = 1.0
+    if FIXED:
+        scale = tl.load(scale_ptr)
+    gm = tl.zeros((BLOCK_L,), tl.float32)
+    gd = gm
+    gh = gm
+    gw = gm
+    for c0 in range(0, CG, BLOCK_C):
+        cc = c0 + tl.arange(0, BLOCK_C)
+        c_ok = cc < CG
+        tile_ok = l_ok[:, None] & c_ok[None, :]
+        rows = (n * C + g * CG + cc).to(tl.int64) * K + k
+        gc = tl.load(gcol_ptr + rows[None, :] * L + l[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+        for corner in tl.static_range(1 << RANK):
+            pix, valid, weight, dd, dh, dw = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
+            ptrs = pix[:, None] * C + (g * CG + cc)[None, :]
+            vm = valid[:, None] & c_ok[None, :]
+            if NEED_OFF or NEED_MSK:
+                v = tl.load(x_ptr + ptrs, mask=vm, other=0.0).to(tl.float32)
+                s = tl.sum(gc * v, axis=1)
+                if NEED_MSK:
+                    gm += weight * s
+                if NEED_OFF:
+                    gw += dw * s
+                    if RANK >= 2:
+                        gh += dh * s
+                    if RANK == 3:
+                        gd += dd * s
+            if NEED_IN:
+                scatter_add(gin_ptr + ptrs, gc * (weight * m)[:, None], vm, scale, FIXED)
+    row = ((n * G + g) * K + k).to(tl.int64)
+    if NEED_MSK:
+        tl.store(gmsk_ptr + row * L + l, tl.where(nan, float("nan"), gm).to(gmsk_ptr.dtype.element_ty), mask=l_ok)
+    if NEED_OFF:
+        gdt = goff_ptr.dtype.element_ty
+        base = goff_ptr + row * (RANK * L) + l
+        tl.store(base + (RANK - 1) * L, (gw * m).to(gdt), mask=l_ok)
+        if RANK >= 2:
+            tl.store(base + (RANK - 2) * L, (gh * m).to(gdt), mask=l_ok)
+        if RANK == 3:
+            tl.store(base, (gd * m).to(gdt), mask=l_ok)
+
+
+# --- launchers -----------------------------------------------------------------------------------------------------
+
+
+def _three(values: Sequence[int], fill: int) -> list:
+    """Per-axis values as (d, h, w), missing leading axes filled."""
+    return [fill] * (3 - len(values)) + list(values)
+
+
+class _Geometry:
+    """The sampling of one call: image (the sampled tensor's spatial size), positions, kernel and the settings."""
+
+    def __init__(self, image, positions, kernel, stride, padding, dilation, channels: int, offset_groups: int):
+        self.rank = len(kernel)
+        self.image, self.positions, self.kernel = list(image), list(positions), list(kernel)
+        self.K, self.L, self.P = math.prod(kernel), math.prod(positions), math.prod(image)
+        self.C, self.G = channels, offset_groups
+        D, H, W = _three(image, 1)
+        _, OH, OW = _three(positions, 1)
+        self.args = (D, H, W, OH, OW, channels, channels // offset_groups, offset_groups, self.K, self.L,
+                     *_three(stride, 1), *_three(padding, 0), *_three(dilation, 1))
+        kh, kw = _three(kernel, 1)[1:]
+        self.meta = dict(KH=kh, KW=kw, RANK=self.rank, BLOCK_L=BLOCK_L,
+                         BLOCK_C=max(2, min(MAX_BLOCK_C, next_pow2(channels // offset_groups))))
+
+    def grid(self, n: int) -> tuple:
+        return (ceil_div(self.L, BLOCK_L), n * self.G * self.K)
+
+
+def _channels_last(t: Tensor) -> Tensor:
+    return t.movedim(1, -1).contiguous()
+
+
+def _columns(x_cl: Tensor, offset: Tensor, mask: Optional[Tensor], geo: _Geometry, dtype: torch.dtype) -> Tensor:
+    n = x_cl.shape[0]
+    cols = torch.empty((n, geo.C, geo.K, geo.L), dtype=dtype, device=x_cl.device)
+    run_cached(_columns_kernel, geo.grid(n), [x_cl, offset, mask if mask is not None else offset, cols], geo.args,
+               dict(geo.meta, HAS_MASK=mask is not None))
+    return cols
+
+
+def _columns_grad(x_cl: Optional[Tensor], offset: Tensor, mask: Optional[Tensor], gcols: Tensor, geo: _Geometry,
+                  need_in: bool, need_off: bool, need_mask: bool):
+    """(grad of the sampled tensor [n, *image, C] fp32, grad_offset, grad_mask) of a chunk; None where not needed."""
+    n = gcols.shape[0]
+    dev = gcols.device
+    fixed = need_in and torch.are_deterministic_algorithms_enabled()
+    gin = scales = None
+    if need_in:
+        gin = torch.zeros((n, *geo.image, geo.C), dtype=torch.int64 if fixed else torch.float32, device=dev)
+        if fixed:  # a contribution is gcol · mask · (weight <= 1); K·L of them reach one element
+            bound = max_abs(gcols) * (max_abs(mask) if mask is not None else 1.0) * (geo.K * geo.L)
+            scales = scales_for(bound)
+    goff = torch.empty_like(offset) if need_off else None
+    gmsk = torch.empty_like(mask) if need_mask else None
+    x = x_cl if x_cl is not None else gcols
+    run_cached(_columns_grad_kernel, geo.grid(n),
+               [x, offset, mask if mask is not None else offset, gcols, gin if gin is not None else gcols,
+                goff if goff is not None else offset, gmsk if gmsk is not None else offset,
+                scales[0] if fixed else offset],
+               geo.args, dict(geo.meta, HAS_MASK=mask is not None, NEED_IN=need_in, NEED_OFF=need_off,
+                              NEED_MSK=need_mask, FIXED=fixed))
+    if gin is not None and fixed:
+        gin = gin.double() * scales[1].double()
+    return gin, goff, gmsk
+
+
+def _chunk(per_image: int) -> int:
+    return max(1, COLUMN_BUDGET // max(per_image, 1))
+
+
+def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
+                stride, padding, dilation, positions: Optional[Sequence[int]] = None) -> Tensor:
+    """reference.deform_conv's result on the kernels."""
+    N, cin, image = input.shape[0], input.shape[1], list(input.shape[2:])
+    cout, kernel = weight.shape[0], list(weight.shape[2:])
+    groups = cin // weight.shape[1]
+    positions = list(positions or out_size(image, kernel, stride, padding, dilation))
+    r = len(kernel)
+    og = offset.shape[1] // (math.prod(kernel) * r)
+    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cin, og)
+    x_cl = _channels_last(input)
+    offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
+    w = weight.to(input.dtype).reshape(groups, cout // groups, -1)
+    out = torch.empty((N, cout, *positions), dtype=input.dtype, device=input.device)
+    step = _chunk(cin * geo.K * geo.L)
+    with on_device_of(input):
+        for s in range(0, N, step):
+            e = min(N, s + step)
+            cols = _columns(x_cl[s:e], offset[s:e], None if mask is None else mask[s:e], geo, input.dtype)
+            out[s:e] = torch.matmul(w, cols.view(e - s, groups, -1, geo.L)).view(e - s, cout, *positions)
+    if bias is not None:
+        out += bias.to(out.dtype).reshape(1, cout, *([1] * r))
+    return out
+
+
+def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
+                         stride, padding, dilation, needs: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
+    """reference.deform_conv_backward's gradients (input, offset, weight, mask) on the kernels."""
+    need_in, need_off, need_w, need_mask = (bool(v) for v in needs)
+    need_mask = need_mask and mask is not None
+    N, cin, image = input.shape[0], input.shape[1], list(input.shape[2:])
+    cout, kernel = weight.shape[0], list(weight.shape[2:])
+    groups = cin // weight.shape[1]
+    positions = list(grad_out.shape[2:])
+    r = len(kernel)
+    og = offset.shape[1] // (math.prod(kernel) * r)
+    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cin, og)
+    x_cl = _channels_last(input)
+    offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
+    dtype = input.dtype
+    w = weight.to(dtype).reshape(groups, cout // groups, -1)
+    go = grad_out.to(dtype).reshape(N, groups, cout // groups, geo.L)
+    grad_in = torch.empty((N, *image, cin), dtype=dtype, device=input.device) if need_in else None
+    grad_off = torch.empty_like(offset) if need_off else None
+    grad_mask = torch.empty_like(mask) if need_mask else None
+    grad_w = torch.zeros((groups, cout // groups, w.shape[-1]), dtype=torch.float32, device=input.device) \
+        if need_w else None
+    step = _chunk(cin * geo.K * geo.L)
+    with on_device_of(input):
+        for s in range(0, N, step):
+            e = min(N, s + step)
+            m = None if mask is None else mask[s:e]
+            if need_w:
+                cols = _columns(x_cl[s:e], offset[s:e], m, geo, dtype).view(e - s, groups, -1, geo.L)
+                grad_w += torch.matmul(go[s:e], cols.transpose(-1, -2)).float().sum(0)
+                del cols
+            if need_in or need_off or need_mask:
+                gcols = torch.matmul(w.transpose(1, 2), go[s:e]).view(e - s, cin, geo.K, geo.L)
+                gin, goff, gmsk = _columns_grad(x_cl[s:e], offset[s:e], m, gcols, geo, need_in, need_off, need_mask)
+                if need_in:
+                    grad_in[s:e] = gin
+                if need_off:
+                    grad_off[s:e] = goff
+                if need_mask:
+                    grad_mask[s:e] = gmsk
+    return (None if grad_in is None else grad_in.movedim(-1, 1), grad_off,
+            None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype), grad_mask)
+
+
+def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor],
+                          mask: Optional[Tensor], stride, padding, output_padding, dilation, groups: int) -> Tensor:
+    """reference.deform_conv_transpose's result on the kernels: the columns Wᵀ·input spread by the gradient kernel's
+    scatter."""
+    N, cin, positions = input.shape[0], input.shape[1], list(input.shape[2:])
+    kernel = list(weight.shape[2:])
+    cout = weight.shape[1] * groups
+    r = len(kernel)
+    image = transposed_size(positions, kernel, stride, padding, output_padding, dilation)
+    G = offset.shape[1] // (math.prod(kernel) * r)
+    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cout, G)
+    offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
+    w = weight.to(input.dtype).reshape(groups, cin // groups, -1)
+    u = input.reshape(N, groups, cin // groups, geo.L)
+    out = torch.empty((N, *image, cout), dtype=input.dtype, device=input.device)
+    step = _chunk(cout * geo.K * geo.L)
+    with on_device_of(input):
+        for s in range(0, N, step):
+            e = min(N, s + step)
+            gcols = torch.matmul(w.transpose(1, 2), u[s:e]).view(e - s, cout, geo.K, geo.L)
+            gin, _, _ = _columns_grad(None, offset[s:e], None if mask is None else mask[s:e], gcols, geo, True, False,
+                                      False)
+            out[s:e] = gin
+    out = out.movedim(-1, 1)
+    # a NaN sample point makes its image's output NaN in its offset group's channels (reference.py)
+    poisoned = torch.isnan(offset.reshape(N, G, -1)).any(-1)
+    out = out.masked_fill(poisoned.repeat_interleave(cout // G, 1).reshape(N, cout, *([1] * r)), float("nan"))
+    if bias is not None:
+        out = out + bias.to(out.dtype).reshape(1, cout, *([1] * r))
+    return out.contiguous()
+
+
+def forward(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
+            transposed: bool) -> Tensor:
+    """The op's forward (reference.forward's interface)."""
+    if transposed:
+        return deform_conv_transpose(input, offset, weight, bias, mask, stride, padding, output_padding, dilation,
+                                     groups)
+    return deform_conv(input, offset, weight, bias, mask, stride, padding, dilation)
+
+
+def backward(grad_out, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
+             transposed: bool, needs: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
+    """The op's gradients (input, offset, weight, bias, mask): reference.backward's rule on the kernels."""
+    need_in, need_off, need_w, need_b, need_mask = (bool(n) for n in needs)
+    grad_b = None
+    if need_b and bias is not None:
+        grad_b = grad_out.sum([d for d in range(grad_out.dim()) if d != 1]).to(bias.dtype)
+    if not transposed:
+        g_in, g_off, g_w, g_mask = deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding,
+                                                        dilation, (need_in, need_off, need_w, need_mask))
+        return g_in, g_off, g_w, grad_b, g_mask
+    g_in = None
+    if need_in:
+        g_in = deform_conv(grad_out.to(input.dtype), offset, weight, None, mask, stride, padding, dilation,
+                           input.shape[2:])
+    _, g_off, g_w, g_mask = deform_conv_backward(input, grad_out.to(input.dtype), offset, weight, mask, stride,
+                                                 padding, dilation, (False, need_off, need_w, need_mask))
+    return g_in, g_off, g_w, grad_b, g_mask

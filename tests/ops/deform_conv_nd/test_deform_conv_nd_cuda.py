@@ -1,0 +1,85 @@
+"""The N-d forms' Triton kernels on a CUDA GPU (skipped without one): output and gradients against the float64
+reference by dtype, at a D3Dnet-like 3D layer, a 1D sequence layer and transposed layers of every rank; deterministic
+mode reproducible bit for bit."""
+
+import math
+
+import pytest
+import torch
+from conftest import HAS_CUDA, assert_close
+
+import deformconv
+from deformconv.ops.deform_conv_nd import reference
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+
+DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, torch.float16, torch.bfloat16)]
+# name: (rank, transposed, N, Cin, Cout, size, kernel, stride, padding, dilation, output_padding, groups, offset groups)
+CASES = {
+    "d3dnet-like-3d": (3, False, 2, 32, 32, (5, 24, 24), (3, 3, 3), (1, 1, 1), (1, 1, 1), (1, 1, 1), (0, 0, 0), 1, 1),
+    "3d-stride2-og2": (3, False, 1, 16, 24, (7, 9, 11), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 2, 1), (0, 0, 0), 2, 2),
+    "1d-sequence": (1, False, 4, 64, 64, (301,), (5,), (1,), (2,), (1,), (0,), 1, 4),
+    "transpose1d": (1, True, 3, 24, 16, (50,), (4,), (2,), (1,), (1,), (0,), 1, 1),
+    "transpose2d": (2, True, 2, 32, 16, (13, 17), (3, 3), (2, 2), (1, 1), (1, 1), (1, 1), 2, 2),
+    "transpose3d": (3, True, 1, 16, 8, (4, 6, 7), (3, 3, 3), (2, 2, 2), (1, 1, 1), (1, 1, 1), (1, 0, 1), 1, 1),
+}
+
+
+def _case(name, seed=0):
+    rank, transposed, n, cin, cout, size, kernel, stride, padding, dilation, out_pad, groups, og = CASES[name]
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    K = math.prod(kernel)
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.float64) * scale
+
+    if transposed:
+        positions = list(size)
+        weight = randn(cin, cout // groups, *kernel, scale=1 / math.sqrt(cin * K))
+        fn = getattr(deformconv, f"deform_conv_transpose{rank}d")
+
+        def call(*t, backend):
+            return fn(t[0], t[1], t[2], t[3], stride, padding, out_pad, dilation, t[4], groups, backend=backend)
+    else:
+        positions = reference.out_size(size, kernel, stride, padding, dilation)
+        weight = randn(cout, cin // groups, *kernel, scale=1 / math.sqrt(cin * K / groups))
+        fn = getattr(deformconv, f"deform_conv{rank}d")
+
+        def call(*t, backend):
+            return fn(t[0], t[1], t[2], t[3], stride, padding, dilation, t[4], backend=backend)
+    leaves = [randn(n, cin, *size), randn(n, og * K * rank, *positions, scale=2.0), weight, randn(cout),
+              torch.rand(n, og * K, *positions, device="cuda", generator=gen, dtype=torch.float64)]
+    return leaves, call
+
+
+def _run(call, leaves, backend, dtype, gout):
+    ts = [t.to(dtype).requires_grad_(True) for t in leaves]
+    out = call(*ts, backend=backend)
+    return (out, *torch.autograd.grad(out, ts, gout.to(dtype)))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernels_against_the_reference(name, dtype):
+    leaves, call = _case(name)
+    leaves = [t.to(dtype).to(torch.float64) for t in leaves]  # both sides read the same (rounded) inputs
+    gout = torch.randn_like(call(*leaves, backend="reference"))
+    ref = _run(call, leaves, "reference", torch.float64, gout)
+    ours = _run(call, leaves, "triton", dtype, gout)
+    for what, a, b in zip(("output", "input", "offset", "weight", "bias", "mask"), ours, ref):
+        assert a.dtype == dtype and torch.isfinite(a).all(), what
+        assert_close(a, b, dtype, what)
+
+
+@pytest.mark.parametrize("name", ["3d-stride2-og2", "transpose2d"])
+def test_deterministic_mode_is_reproducible(name):
+    leaves, call = _case(name, seed=4)
+    gout = torch.randn_like(call(*leaves, backend="reference")).float()
+    torch.use_deterministic_algorithms(True)
+    try:
+        first = _run(call, leaves, "triton", torch.float32, gout)
+        second = _run(call, leaves, "triton", torch.float32, gout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
