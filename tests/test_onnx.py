@@ -204,3 +204,26 @@ def test_deform_roi_pool_with_a_fixed_grid_exports_as_grid_sample(module, tmp_pa
     with torch.no_grad():
         _close(_ort_outputs(path, [x, rois]), m(x, rois))
         _close(_ort_outputs(path, [x, rois[1:]]), m(x, rois[1:]))
+
+
+def test_nd_forms_export_what_the_standard_and_onnxruntime_run(tmp_path):
+    """deform_conv1d exports as a 2-D DeformConv over a unit height, which onnxruntime runs (our outputs, at another
+    length too); deform_conv3d as the standard's N-d DeformConv (onnxruntime 1.32 runs 4-D inputs only, so the file is
+    only checked); the transposed forms, which no ONNX operator covers, raise saying so."""
+    torch.manual_seed(0)
+    layer = deformconv.DeformConv1dPack(4, 6, 3, padding=2, dilation=2, groups=2, offset_groups=2, modulated=True)
+    layer = layer.eval()
+    torch.nn.init.normal_(layer.conv_offset.weight, std=0.3)
+    x = torch.randn(2, 4, 13)
+    path = tmp_path / "dcn1d.onnx"
+    deformconv.onnx.export(layer, (x,), path, dynamic_shapes=({0: torch.export.Dim("n"), 2: torch.export.Dim("w")},))
+    for inp in (x, torch.randn(3, 4, 21)):
+        torch.testing.assert_close(torch.from_numpy(_ort_outputs(path, [inp])), layer(inp).detach(), rtol=1e-4,
+                                   atol=1e-4)
+    path3 = tmp_path / "dcn3d.onnx"
+    deformconv.onnx.export(deformconv.DeformConv3dPack(2, 3, 3, padding=1).eval(), (torch.randn(1, 2, 4, 5, 6),), path3)
+    node = next(n for n in onnx.load(str(path3)).graph.node if n.op_type == "DeformConv")
+    assert {a.name: list(a.ints) for a in node.attribute if a.ints}["kernel_shape"] == [3, 3, 3]
+    with pytest.raises(Exception, match="transposed deformable convolution has no ONNX operator"):
+        deformconv.onnx.export(deformconv.DeformConvTranspose2dPack(2, 3, 3).eval(), (torch.randn(1, 2, 4, 4),),
+                               tmp_path / "t.onnx")

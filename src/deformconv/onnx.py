@@ -28,6 +28,7 @@ _exporting = onnx_export_flag()
 
 _NO_EXPORT = {
     "deform_psroi_pool": "deformable position-sensitive RoI pooling has no ONNX operator",
+    **{f"deform_conv_transpose{r}d": "the transposed deformable convolution has no ONNX operator" for r in (1, 2, 3)},
 }
 
 
@@ -63,8 +64,10 @@ def translation_table() -> Dict[Callable, Callable]:
     the aggregation weights as the mask, the offsets reordered to (dy, dx) row-major taps with offset_scale applied);
     multi-scale deformable attention is one ``GridSample`` a level (align_corners=0, zeros: its definition) weighted
     and summed; deformable RoI pooling with sampling_ratio > 0 is one ``GridSample`` over each RoI's image
-    (align_corners=1, border: RoIAlign's clamping) masked and averaged. Adaptive sampling and the position-sensitive
-    variant raise."""
+    (align_corners=1, border: RoIAlign's clamping) masked and averaged. deform_conv1d is a 2-D ``DeformConv`` over a
+    unit height (onnxruntime runs it); deform_conv3d the standard's N-d ``DeformConv``, which onnxruntime (1.32) does
+    not run: it takes 4-D inputs only. Adaptive sampling, the position-sensitive variant and the transposed forms (no
+    ONNX operator) raise."""
     from onnxscript import opset19 as op
 
     def deform_conv2d(input, offset, weight, bias, mask, stride, padding, dilation, backend):
@@ -102,7 +105,19 @@ def translation_table() -> Dict[Callable, Callable]:
                 "static ONNX graph reproduces exactly (set the module's sampling_ratio > 0, e.g. 2, to export)")
         return _roi_pool_as_grid_sample(op, input, rois, offset, output_size, spatial_scale, sampling_ratio, gamma)
 
+    def deform_conv1d(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups, backend):
+        return _deform_conv1d_as_2d(op, input, offset, weight, bias, mask, stride, padding, dilation)
+
+    def deform_conv3d(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups, backend):
+        k = [int(v) for v in weight.shape[2:]]
+        attrs = dict(dilations=[int(d) for d in dilation], group=int(input.shape[1]) // int(weight.shape[1]),
+                     kernel_shape=k, offset_group=int(offset.shape[1]) // (3 * k[0] * k[1] * k[2]),
+                     pads=[int(p) for p in padding] * 2, strides=[int(v) for v in stride])
+        return op.DeformConv(input, weight, offset, bias, mask, **attrs)
+
     table: Dict[Callable, Callable] = {torch.ops.deformconv.deform_conv2d.default: deform_conv2d,
+                                       torch.ops.deformconv.deform_conv1d.default: deform_conv1d,
+                                       torch.ops.deformconv.deform_conv3d.default: deform_conv3d,
                                        torch.ops.deformconv.dcnv3.default: dcnv3,
                                        torch.ops.deformconv.dcnv4.default: dcnv4,
                                        torch.ops.deformconv.ms_deform_attn.default: ms_deform_attn,
@@ -114,6 +129,23 @@ def translation_table() -> Dict[Callable, Callable]:
 
         table[getattr(torch.ops.deformconv, name).default] = refuse
     return table
+
+
+def _deform_conv1d_as_2d(op, input, offset, weight, bias, mask, stride, padding, dilation):
+    """deform_conv1d as a 2-D DeformConv over a unit height: the input, weight, offsets and mask given an axis of
+    size 1, each tap's offset paired with a zero dy."""
+    axis = op.Constant(value_ints=[2])
+    kw = int(weight.shape[2])
+    taps = int(offset.shape[1])  # offset groups · kw
+    dx = op.Unsqueeze(op.Unsqueeze(offset, axis), axis)  # [N, G·kw, 1, 1, Wo]
+    dy = op.CastLike(op.ConstantOfShape(op.Shape(dx)), dx)
+    pairs = op.Reshape(op.Concat(dy, dx, axis=2), op.Constant(value_ints=[0, 2 * taps, 1, -1]))
+    attrs = dict(dilations=[1, int(dilation[0])], group=int(input.shape[1]) // int(weight.shape[1]),
+                 kernel_shape=[1, kw], offset_group=taps // kw, pads=[0, int(padding[0]), 0, int(padding[0])],
+                 strides=[1, int(stride[0])])
+    out = op.DeformConv(op.Unsqueeze(input, axis), op.Unsqueeze(weight, axis), pairs, bias,
+                        None if mask is None else op.Unsqueeze(mask, axis), **attrs)
+    return op.Squeeze(out, axis)
 
 
 def _dcn_as_deform_conv(op, input, offset, mask, kernel, stride, pad, dilation, group, group_channels, offset_scale,
