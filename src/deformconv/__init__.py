@@ -1,11 +1,12 @@
-"""deformconv: the deformable ops for PyTorch, five families: deformable convolution (DCNv1 offsets, DCNv2
-modulation), InternImage's DCNv3 and DCNv4, multi-scale deformable attention (Deformable DETR) and deformable RoI
-pooling (with its position-sensitive variant).
+"""deformconv: the deformable ops for PyTorch: deformable convolution (DCNv1 offsets, DCNv2 modulation; of rank 1, 2
+and 3, and transposed), InternImage's DCNv3 and DCNv4, multi-scale deformable attention (Deformable DETR) and
+deformable RoI pooling (with its position-sensitive variant).
 
 Each op is one ``torch.library`` op (``torch.ops.deformconv.*``) with a plain-PyTorch reference, a CPU backend where
 one pays and fused Triton kernels on the GPU; ``deform_conv2d`` is a drop-in for ``torchvision.ops.deform_conv2d``.
-Public side: one file per family (``deform_conv``, ``dcnv``, ``msda``, ``roi_pool``); each family's op, reference
-and kernels under ``ops/<family>``; one dispatch for all of them (``select_backend``, ``not_supported_reasons``).
+Public side: one file per family (``deform_conv``, ``deform_conv_nd``, ``dcnv``, ``msda``, ``roi_pool``); each
+family's op, reference and kernels under ``ops/<family>``; one dispatch for all of them (``select_backend``,
+``not_supported_reasons``).
 """
 
 from . import onnx  # registers the TorchScript exporter's symbolic
