@@ -24,8 +24,11 @@ FORMS: Dict[str, Tuple[int, bool]] = {
     "deform_conv_transpose1d": (1, True), "deform_conv_transpose2d": (2, True), "deform_conv_transpose3d": (3, True),
 }
 
-# Every backend's module has forward(..., groups, transposed) and backward(grad_out, ..., transposed, needs) in the
-# ops' argument order. No cpu backend: the reference, vectorised PyTorch, is the CPU path.
+# Every backend's module has three primitives: deform_conv(input, offset, weight, bias, mask, stride, padding,
+# dilation, positions=None), deform_conv_transpose(..., output_padding, dilation, groups) and
+# deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs) -> gradients (input,
+# offset, weight, mask); the ops' forward and backward below build on them. No cpu backend: the reference,
+# vectorised PyTorch, is the CPU path.
 for _name in FORMS:
     dispatch.register(_name, {"triton": f"{__package__}.triton", "reference": f"{__package__}.reference"})
 
@@ -40,19 +43,44 @@ def _output(name: str, input: Tensor, weight: Tensor, stride, padding, dilation,
     return input.new_empty((input.shape[0], channels, *spatial))
 
 
+def _gradients(impl, transposed: bool, grad_out, input, offset, weight, bias, mask, stride, padding, dilation,
+               needs) -> Tuple[Optional[Tensor], ...]:
+    """Gradients (input, offset, weight, bias, mask), None where needs says so. The transposed form's are the
+    convolution's with the roles swapped (it is the convolution's adjoint in its input: <g, Aᵀu> = <Ag, u>):
+    grad_input is the convolution of grad_out at the input's positions, and the offset, weight and mask gradients
+    the convolution's at input grad_out and gradient input."""
+    need_in, need_off, need_w, need_b, need_mask = (bool(n) for n in needs)
+    grad_b = None
+    if need_b and bias is not None:
+        grad_b = grad_out.sum([d for d in range(grad_out.dim()) if d != 1]).to(bias.dtype)
+    if not transposed:
+        g_in, g_off, g_w, g_mask = impl.deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding,
+                                                             dilation, (need_in, need_off, need_w, need_mask))
+        return g_in, g_off, g_w, grad_b, g_mask
+    g = grad_out.to(input.dtype)
+    g_in = None
+    if need_in:
+        g_in = impl.deform_conv(g, offset, weight, None, mask, stride, padding, dilation, input.shape[2:])
+    _, g_off, g_w, g_mask = impl.deform_conv_backward(input, g, offset, weight, mask, stride, padding, dilation,
+                                                      (False, need_off, need_w, need_mask))
+    return g_in, g_off, g_w, grad_b, g_mask
+
+
 def _define(name: str):
     transposed = FORMS[name][1]
 
     def forward(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups, backend):
         impl = dispatch.implementation(name, input, backend)
-        return impl.forward(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups,
-                            transposed)
+        if transposed:
+            return impl.deform_conv_transpose(input, offset, weight, bias, mask, stride, padding, output_padding,
+                                              dilation, groups)
+        return impl.deform_conv(input, offset, weight, bias, mask, stride, padding, dilation)
 
     def backward(grad_out, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups,
                  backend, needs):
         impl = dispatch.implementation(name, input, backend)
-        return impl.backward(grad_out, input, offset, weight, bias, mask, stride, padding, dilation, output_padding,
-                             groups, transposed, needs)
+        return _gradients(impl, transposed, grad_out, input, offset, weight, bias, mask, stride, padding, dilation,
+                          needs)
 
     def op_fn(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
               stride: List[int], padding: List[int], dilation: List[int], output_padding: List[int], groups: int,

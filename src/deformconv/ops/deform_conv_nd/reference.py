@@ -189,15 +189,6 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
     return out.to(input.dtype)
 
 
-def forward(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
-            transposed: bool) -> Tensor:
-    """The op's forward: deform_conv, or with transposed deform_conv_transpose (the op's argument order)."""
-    if transposed:
-        return deform_conv_transpose(input, offset, weight, bias, mask, stride, padding, output_padding, dilation,
-                                     groups)
-    return deform_conv(input, offset, weight, bias, mask, stride, padding, dilation)
-
-
 def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
                          stride, padding, dilation, needs: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
     """deform_conv's gradients (input, offset, weight, mask), None where needs (in that order) says so: grad_input
@@ -253,30 +244,3 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
 
     return (shaped(grad_in, input), shaped(grad_off, offset), shaped(grad_w, weight),
             shaped(grad_mask, mask) if need_mask else None)
-
-
-def backward(grad_out, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
-             transposed: bool, needs: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
-    """Gradients (input, offset, weight, bias, mask), None where needs says so. The transposed form's are
-    deform_conv's with the roles swapped (it is deform_conv's adjoint in its input: <g, A^T u> = <A g, u>):
-    grad_input is deform_conv of grad_out, and the offset, weight and mask gradients deform_conv's at input grad_out
-    and gradient input."""
-    need_in, need_off, need_w, need_b, need_mask = (bool(n) for n in needs)
-    grad_b = None
-    if need_b and bias is not None:
-        grad_b = grad_out.sum([d for d in range(grad_out.dim()) if d != 1]).to(bias.dtype)
-    if not transposed:
-        g_in, g_off, g_w, g_mask = deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding,
-                                                        dilation, (need_in, need_off, need_w, need_mask))
-        return g_in, g_off, g_w, grad_b, g_mask
-    g_in = None
-    if need_in:
-        g_in = deform_conv(grad_out, offset, weight, None, mask, stride, padding, dilation,
-                           input.shape[2:]).to(input.dtype)
-    _, g_off, g_w, g_mask = deform_conv_backward(input, grad_out, offset, weight, mask, stride, padding, dilation,
-                                                 (False, need_off, need_w, need_mask))
-    return g_in, _cast(g_off, offset), _cast(g_w, weight), grad_b, _cast(g_mask, mask)
-
-
-def _cast(t: Optional[Tensor], like: Optional[Tensor]) -> Optional[Tensor]:
-    return None if t is None else t.to(like.dtype)

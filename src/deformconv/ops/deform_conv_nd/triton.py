@@ -13,7 +13,7 @@ deform_conv:       columns = sample(x); out = W·columns (per convolution group)
                    corners (grad_input, fp32 atomics; int64 fixed point in deterministic mode) and sums grad_offset
                    and grad_mask over the channels; grad_weight = grad_out·columnsᵀ.
 deform_conv_transpose (the adjoint): columns = Wᵀ·input spread by the gradient kernel's scatter; its backward is
-                   deform_conv's with the roles swapped (reference.py: backward).
+                   deform_conv's with the roles swapped (op.py: _gradients).
 
 A program owns BLOCK_L positions of one (image, offset group, tap) and loops over the group's channels in blocks of
 BLOCK_C; its 2^r corners are computed once for all of them. Accumulation in fp32.
@@ -110,14 +110,10 @@ def _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, CORNER: tl.constexpr):
 
 
 @triton.jit
-def _columns_kernel(
-    x_ptr, off_ptr, msk_ptr, col_ptr,      # see the module docstring
-    D, H, W, OH, OW, C, CG, G, K, L,       # sizes (OD follows from L)
-    SD, SH, SW, PD, PH, PW, DD, DH, DW,    # stride, padding, dilation per axis
-    KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K)."""
+def _program(off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH: tl.constexpr,
+             KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr):
+    """A program's (image n, offset group g, tap k) and positions l (grid: L tiles, N·G·K), their sample points
+    (_points) and mask values (1 without a mask)."""
     pid = tl.program_id(1)
     k = pid % K
     g = (pid // K) % G
@@ -129,6 +125,20 @@ def _columns_kernel(
     m = tl.full((BLOCK_L,), 1.0, tl.float32)
     if HAS_MASK:
         m = tl.load(msk_ptr + ((n * G + g) * K + k).to(tl.int64) * L + l, mask=l_ok, other=0.0).to(tl.float32)
+    return n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m
+
+
+@triton.jit
+def _columns_kernel(
+    x_ptr, off_ptr, msk_ptr, col_ptr,      # see the module docstring
+    D, H, W, OH, OW, C, CG, G, K, L,       # sizes (OD follows from L)
+    SD, SH, SW, PD, PH, PW, DD, DH, DW,    # stride, padding, dilation per axis
+    KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K)."""
+    n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
+        off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK, BLOCK_L)
     for c0 in range(0, CG, BLOCK_C):
         cc = c0 + tl.arange(0, BLOCK_C)
         c_ok = cc < CG
@@ -158,17 +168,8 @@ def _columns_grad_kernel(
 ):
     """grad_input += gcol·mask·weight at each corner; grad_mask = Σ_c gcol·sample; grad_offset along each axis
     = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (L tiles, N·G·K)."""
-    pid = tl.program_id(1)
-    k = pid % K
-    g = (pid // K) % G
-    n = pid // (K * G)
-    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    l_ok = l < L
-    ld, lh, lw, fd, fh, fw, inside, nan = _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD,
-                                                  PH, PW, DD, DH, DW, KH, KW, RANK)
-    m = tl.full((BLOCK_L,), 1.0, tl.float32)
-    if HAS_MASK:
-        m = tl.load(msk_ptr + ((n * G + g) * K + k).to(tl.int64) * L + l, mask=l_ok, other=0.0).to(tl.float32)
+    n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
+        off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK, BLOCK_L)
     scale = 1.0
     if FIXED:
         scale = tl.load(scale_ptr)
@@ -381,32 +382,3 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
     if bias is not None:
         out = out + bias.to(out.dtype).reshape(1, cout, *([1] * r))
     return out.contiguous()
-
-
-def forward(input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
-            transposed: bool) -> Tensor:
-    """The op's forward (reference.forward's interface)."""
-    if transposed:
-        return deform_conv_transpose(input, offset, weight, bias, mask, stride, padding, output_padding, dilation,
-                                     groups)
-    return deform_conv(input, offset, weight, bias, mask, stride, padding, dilation)
-
-
-def backward(grad_out, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups: int,
-             transposed: bool, needs: Sequence[bool]) -> Tuple[Optional[Tensor], ...]:
-    """The op's gradients (input, offset, weight, bias, mask): reference.backward's rule on the kernels."""
-    need_in, need_off, need_w, need_b, need_mask = (bool(n) for n in needs)
-    grad_b = None
-    if need_b and bias is not None:
-        grad_b = grad_out.sum([d for d in range(grad_out.dim()) if d != 1]).to(bias.dtype)
-    if not transposed:
-        g_in, g_off, g_w, g_mask = deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding,
-                                                        dilation, (need_in, need_off, need_w, need_mask))
-        return g_in, g_off, g_w, grad_b, g_mask
-    g_in = None
-    if need_in:
-        g_in = deform_conv(grad_out.to(input.dtype), offset, weight, None, mask, stride, padding, dilation,
-                           input.shape[2:])
-    _, g_off, g_w, g_mask = deform_conv_backward(input, grad_out.to(input.dtype), offset, weight, mask, stride,
-                                                 padding, dilation, (False, need_off, need_w, need_mask))
-    return g_in, g_off, g_w, grad_b, g_mask
