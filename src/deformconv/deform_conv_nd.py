@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
-from .checks import int_at_least, ntuple
+from .checks import _check_tensor, int_at_least, ntuple
 from .ops.common import dispatch
 from .ops.common.eager import autocasting, run_eager
 from .ops.deform_conv_nd import op as _op
@@ -23,11 +23,8 @@ _AXES = {1: "W", 2: "H, W", 3: "D, H, W"}
 
 
 def _tensor(t, name: str, rank: int) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
-    if t.dim() != rank + 2:
-        raise ValueError(f"{name} must be a {rank + 2}-D tensor [N, C, {_AXES[rank]}], got {t.dim()}-D "
-                         f"{tuple(t.shape)}")
+    """t checked as a floating-point tensor [N, C, *spatial] of rank + 2 dimensions (checks._check_tensor)."""
+    _check_tensor(t, name, rank + 2, f"[N, C, {_AXES[rank]}]")
     return t
 
 
@@ -37,8 +34,6 @@ def _check(name: str, input, offset, weight, bias, mask, stride, padding, dilati
     output_padding as lists and the convolution groups."""
     rank, transposed = _op.FORMS[name]
     input, weight = _tensor(input, "input", rank), _tensor(weight, "weight", rank)
-    if not input.is_floating_point():
-        raise TypeError(f"input must be a floating-point tensor, got dtype {input.dtype}")
     stride, dilation = ntuple(stride, "stride", rank, 1), ntuple(dilation, "dilation", rank, 1)
     padding = ntuple(padding, "padding", rank, 0)
     output_padding = ntuple(output_padding, "output_padding", rank, 0)
