@@ -286,6 +286,9 @@ def add_route_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--columns-grad-data", choices=["on", "off"], help="grad_input, grad_offset and grad_mask through "
                     "cuBLAS's grad_col rows wherever usable, or never (options.columns_grad_data; unset: "
                     "columns.grad_columns_usable's rule)")
+    ap.add_argument("--mask-logits", choices=["on", "off"], help="the modulated layers' offset conv outputs read by "
+                    "the kernels as they are, or split into offset and mask copies first (options.mask_logits; "
+                    "unset: on)")
 
 
 def apply_route_args(args: argparse.Namespace) -> None:
@@ -296,6 +299,8 @@ def apply_route_args(args: argparse.Namespace) -> None:
         options.columns_grad_weight = args.columns_grad_weight == "on"
     if args.columns_grad_data:
         options.columns_grad_data = args.columns_grad_data == "on"
+    if args.mask_logits:
+        options.mask_logits = args.mask_logits == "on"
 
 
 # --warm-caches (apply_settings): torch's compile caches on for every net. See compile_caches.
@@ -369,7 +374,8 @@ def main(argv=None):
                   f"{r.get('torchvision_fb_ms', float('nan')):.3f} |")
     if args.out:
         env = dict(environment("cuda"), columns_grad_weight=args.columns_grad_weight,
-                   columns_grad_data=args.columns_grad_data, warm_caches=args.warm_caches)
+                   columns_grad_data=args.columns_grad_data, mask_logits=args.mask_logits or "on",
+                   warm_caches=args.warm_caches)
         env["timer"] = ("records (steps): median wall ms of 30 steps, each synchronised, after 10 warm-up steps "
                         "(timed); layers: " + env["timer"])
         write_results(args.out, env, records, layers=layers)

@@ -173,6 +173,22 @@ def deform_conv2d_cases(dtypes):
                         run()
                 yield f"deform_conv2d {name} columns {str(dtype)[6:]}", run_columns
 
+                def run_logits(n=n, cin=cin, cout=cout, h=h, w=w, k=k, og=og, s=s, p=p, d=d, dtype=dtype):
+                    # a modulated layer's planned Call reading its offset conv output's logits (sampling.MASK_LOGITS),
+                    # with the kernels' own backward and with the column buffers
+                    from deformconv.config import options
+                    from deformconv.ops.deform_conv2d.triton.call import Call
+
+                    ho, wo = (h + 2 * p - d * (k - 1) - 1) // s + 1, (w + 2 * p - d * (k - 1) - 1) // s + 1
+                    x, o = _leaf(n, cin, h, w, dtype=dtype), _leaf(n, 3 * og * k * k, ho, wo, dtype=dtype)
+                    wt, b = _leaf(cout, cin, k, k, dtype=dtype), _leaf(cout, dtype=dtype)
+                    for columns in (False, True):
+                        with options.override(columns_grad_weight=columns, columns_grad_data=columns):
+                            call = Call((s, s), (p, p), (d, d), 2 * og * k * k, logits=True)
+                            out, kept = call.forward_saving(x, o, wt, b)
+                            call.grads(torch.randn_like(out), x, o, wt, b, (True,) * 4, kept=kept)
+                yield f"deform_conv2d {name} logits {str(dtype)[6:]}", run_logits
+
 
 def dcnv_cases(dtypes):
     import deformconv

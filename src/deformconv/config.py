@@ -144,11 +144,12 @@ class Options:
 
     # Off: the path the product takes where the faster one does not apply (plain stores where runs do not fit, the
     # two passes of a channels-last input, one layout copy a launch, grad_weight through its finishing pass at more
-    # than one split), forced at shapes where it would not, so that the tests compare both on the same inputs
+    # than one split, a modulated layer's offset and mask split into copies), forced at shapes where it would not, so that the tests compare both on the same inputs
     run_stores: bool = True              # the forward's vectorised NCHW stores
     fused_prep: bool = True              # the forward's weight pack and input copy in one launch
     paired_transposes: bool = True       # the backward's two layout copies in one launch
     direct_grad_weight: bool = True      # grad_weight stored by its kernel where one split makes it final
+    mask_logits: bool = True             # a modulated layer's offset conv output read by the kernels as it is
     layout_kernels_on_cpu: bool = False  # the layout kernels under the interpreter too (else torch's copies)
     # tuning constants of the backward's schedule (configs.py and schedule.py say why)
     default_workspace_budget: float = 1.5

@@ -24,6 +24,13 @@ results back into a tile for one store.
 import triton
 import triton.language as tl
 
+# deform_conv2d's HAS_MASK, the mask operand the kernels read: none (0), mask values (MASK_VALUES), or a modulated
+# layer's mask logits (MASK_LOGITS: the sigmoid taken in the kernel, its derivative folded into grad_mask; the offset
+# and the logits are then the channel ranges [:2·G·KK] and [2·G·KK:] of one NCHW tensor, its offset conv's output,
+# read where they are instead of split into two copies)
+MASK_VALUES = tl.constexpr(1)
+MASK_LOGITS = tl.constexpr(2)
+
 
 @triton.jit
 def div(a, b):
@@ -75,7 +82,7 @@ def dcn_point(y, x, pix_base, H, W, PIX, m_valid):
 
 @triton.jit
 def sample_point(
-    off_ptr, msk_ptr,      # offset [N, 2*G*KK, Ho, Wo] and mask [N, G*KK, Ho, Wo], NCHW
+    off_ptr, msk_ptr,      # offset [N, 2*G*KK, Ho, Wo] and mask [N, G*KK, Ho, Wo], NCHW (or as MASK_LOGITS says)
     off_row, msk_row,      # int64 [BM]: element offset of (n, channel 0, ho, wo) in offset / mask
     ch, L,                 # channel (= offset group * KK + tap), Ho*Wo
     y_ref, x_ref,          # fp32 [BM]: the regular (undeformed) sample point
@@ -91,10 +98,18 @@ def sample_point(
     dx = tl.load(off_ptr + dy_row + L, mask=m_valid, other=0.0).to(tl.float32)
     p00, v00, v01, v10, v11, ly, lx = dcn_point(y_ref + dy, x_ref + dx, pix_base, H, W, PIX, m_valid)
     if HAS_MASK:
-        mv = tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0).to(tl.float32)
+        mv = mask_value(tl.load(msk_ptr + msk_row + ch.to(tl.int64) * L, mask=m_valid, other=0.0), HAS_MASK)
     else:
         mv = tl.full(ly.shape, 1.0, tl.float32)
     return p00, v00, v01, v10, v11, ly, lx, mv
+
+
+@triton.jit
+def mask_value(raw, HAS_MASK: tl.constexpr):
+    """The modulation (fp32) from the mask operand as loaded: itself, or the sigmoid of a logit (MASK_LOGITS)."""
+    if HAS_MASK == MASK_LOGITS:
+        return tl.sigmoid(raw.to(tl.float32))
+    return raw.to(tl.float32)
 
 
 @triton.jit
@@ -118,7 +133,7 @@ def sample_from(dy, dx, mraw, y_ref, x_ref, pix_base, H, W, PIX, m_valid, HAS_MA
     p00, v00, v01, v10, v11, ly, lx = dcn_point(y_ref + dy.to(tl.float32), x_ref + dx.to(tl.float32), pix_base, H, W,
                                                 PIX, m_valid)
     if HAS_MASK:
-        mv = mraw.to(tl.float32)
+        mv = mask_value(mraw, HAS_MASK)
     else:
         mv = tl.full(ly.shape, 1.0, tl.float32)
     return p00, v00, v01, v10, v11, ly, lx, mv
@@ -367,16 +382,20 @@ def pair_sums(g, top, bottom):
 
 
 @triton.jit
-def mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv):
+def mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv, HAS_MASK: tl.constexpr):
     """grad_mask, grad_offset_y, grad_offset_x of one sample point from its pair_sums. The sampled value is
     val = c00 + lx*dx + ly*dy + lx*ly*(dy1 - dy), so grad_mask = sum g*val and grad_offset = mv * sum g *
     (d val/dy, d val/dx) = mv * ((1-lx)*dy + lx*dy1, dx + ly*(dy1 - dy)), summed over channels. grad_mask takes the
     fractions as the value does (weight_fraction), grad_offset as they are (an infinite coordinate's +inf makes the
-    other coordinate's gradient NaN, as torchvision's)."""
+    other coordinate's gradient NaN, as torchvision's). With MASK_LOGITS, grad_mask is the logit's: times
+    mv·(1 - mv), the sigmoid's derivative."""
     dd = sdy1 - sdy
     wy = weight_fraction(ly)
     wx = weight_fraction(lx)
-    return s00 + wx * sdx + wy * sdy + wx * wy * dd, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
+    g_m = s00 + wx * sdx + wy * sdy + wx * wy * dd
+    if HAS_MASK == MASK_LOGITS:
+        g_m = g_m * (mv * (1.0 - mv))
+    return g_m, mv * (sdy + lx * dd), mv * (sdx + ly * dd)
 
 
 # --- a row's point parameters as per-point columns -------------------------------------------------------------

@@ -1,6 +1,6 @@
 """A modulated layer's offset conv output split into deform_conv2d's offset and mask, and the gradient joined back:
 one autograd node and two GPU kernels each way (split_offset_mask), used by the modules, the eager path and the
-planned calls."""
+planned calls whose kernels cannot read the output as it is (triton/geometry.reads_logits)."""
 
 from __future__ import annotations
 

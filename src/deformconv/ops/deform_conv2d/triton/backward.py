@@ -36,6 +36,7 @@ from .configs import Config, bwd_data_candidates, bwd_weight_candidates
 from .geometry import (
     contiguous_operands,
     grouped_input,
+    mask_kind,
     plan_key,
     position_strides,
     segment_length,
@@ -46,7 +47,8 @@ from .packing import pack_weight
 from .schedule import backward_schedule, side_stream, workspace_budget
 
 
-def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: int) -> Tuple[Tensor, Tensor]:
+def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: int, logits: bool = False
+                       ) -> Tuple[Tensor, Tensor]:
     """Deterministic mode's grad_input is summed as int64 fixed point (integer adds give the same bits in any
     order): (scale, 1 / scale), powers of two as fp32 [1] tensors, such that no sum can pass 2**62. A
     contribution is grad_col * bilinear weight (<= 1) * mask, with |grad_col| <= max|grad_out| * max over
@@ -54,10 +56,11 @@ def fixed_point_scales(go: Tensor, wp: Tensor, mask: Optional[Tensor], count: in
     position and tap of its image). The resolution is then at most bound * 2**-61: 2**-44 of the largest
     possible contribution at 100x152 images with 3x3 kernels (finer for smaller images), far below fp32's rounding.
     Computed on the device (no sync; CUDA-graph capturable). A bound that is not finite (NaN or Inf in grad_out, weight
-    or mask) or beyond fp32's exponent range gives NaN scales, and so a grad_input that is NaN throughout."""
+    or mask) or beyond fp32's exponent range gives NaN scales, and so a grad_input that is NaN throughout. A mask of
+    logits modulates by at most sigmoid(max |logit|) (the sigmoid is increasing), NaN where a logit is."""
     bound = max_abs(go) * max_abs(wp.abs().sum(-1)) * count
     if mask is not None:
-        bound = bound * max_abs(mask)
+        bound = bound * (torch.sigmoid(max_abs(mask)) if logits else max_abs(mask))
     return scales_for(bound)
 
 
@@ -66,7 +69,7 @@ def deform_conv2d_backward(
     grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], needs: Sequence[bool],
     packed_weight: Optional[Tensor] = None, operands: Tuple[Optional[Tensor], Optional[Tensor]] = (None, None),
-    memo: Optional[dict] = None,
+    memo: Optional[dict] = None, logits: bool = False,
 ):
     """Gradients (input, offset, mask, weight, bias), None where not needed. The batch is processed in
     chunks of images (schedule.backward_chunk_images) to bound the scratch memory. Under
@@ -76,27 +79,39 @@ def deform_conv2d_backward(
     (deform_conv2d_forward's keep), else the weight is packed here. operands: the forward's contiguous copies of
     (offset, mask), where it kept them. memo: a dict kept by a caller that knows the call signature, grad_out's
     layout, needs and the settings the plans depend on already (call.py): it holds the schedule and the plan once
-    there are, so that no plan key is built at later calls."""
+    there are, so that no plan key is built at later calls. logits: offset and mask as deform_conv2d_forward's
+    logits (views of one tensor, the mask's logits): the offset's and the mask's gradients are then written into one
+    new tensor like it, returned in grad_offset's place (grad_mask None), the mask's with respect to the logits."""
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)
     need_mask = bool(need_mask and mask is not None)
     grad_out = grad_out.to(input.dtype)
-    off, msk = contiguous_operands(offset if operands[0] is None else operands[0],
-                                   mask if operands[1] is None else operands[1])
+    if logits:  # one gradient tensor for both: the kernels store the two at once
+        off, msk = offset, mask
+        need_off = need_mask = need_off or need_mask
+    else:
+        off, msk = contiguous_operands(offset if operands[0] is None else operands[0],
+                                       mask if operands[1] is None else operands[1])
     groups = input.shape[1] // weight.shape[1]
     wp = packed_weight if packed_weight is not None else pack_weight(weight, groups, dtype=input.dtype)
     fixed_gin = need_in and torch.are_deterministic_algorithms_enabled()
     scales = None
     if fixed_gin:  # one scale for all chunks, from the whole grad_out
         count = grad_out.shape[-2] * grad_out.shape[-1] * weight.shape[-2] * weight.shape[-1]
-        scales = fixed_point_scales(grad_out, wp, msk, count)
+        scales = fixed_point_scales(grad_out, wp, msk, count, logits)
 
     # --- allocate what is returned ---
     grad_in = torch.empty(input.shape, dtype=input.dtype, device=input.device,
                           memory_format=suggest_memory_format(input)) if need_in else None
-    grad_off = torch.empty_like(off) if need_off else None
-    grad_mask = torch.empty_like(msk) if need_mask else None
+    joined = None
+    if logits and need_off:
+        joined = torch.empty((off.shape[0], off.shape[1] + msk.shape[1], *off.shape[2:]), dtype=off.dtype,
+                             device=off.device)
+        grad_off, grad_mask = joined[:, :off.shape[1]], joined[:, off.shape[1]:]
+    else:
+        grad_off = torch.empty_like(off) if need_off else None
+        grad_mask = torch.empty_like(msk) if need_mask else None
 
     # --- the kernels chunk by chunk; grad_weight's chunk sums added in a fixed order ---
     grad_w = None
@@ -115,7 +130,7 @@ def deform_conv2d_backward(
             go_c, in_c, off_c, msk_c, gin_c, goff_c, gmsk_c = tensors
             gw, pb = _backward_chunk(go_c, in_c, off_c, wp, msk_c, stride, padding, dilation, weight, scales, gin_c,
                                      goff_c, gmsk_c, need_w, concurrent, whole, need_b and whole,
-                                     memo if whole else None)
+                                     memo if whole else None, logits)
             if not need_w:
                 continue
             if gw.dim() == 4:  # grad_weight itself (direct_grad_weight: one chunk)
@@ -134,6 +149,8 @@ def deform_conv2d_backward(
     if pw is not None or pb is not None:
         fw, grad_b = finish_grads(weight, pw, pb, input.dtype, memo)
         grad_w = fw if pw is not None else grad_w
+    if logits:
+        return grad_in, joined, None, grad_w, grad_b
     return grad_in, grad_off, grad_mask, grad_w, grad_b
 
 
@@ -167,12 +184,12 @@ class BackwardPlan:
 
 
 def _backward_plan(input: Tensor, off: Tensor, weight: Tensor, mask: Optional[Tensor], go: Tensor, stride, padding,
-                   dilation) -> BackwardPlan:
+                   dilation, logits: bool) -> BackwardPlan:
     geo = geometry_from_tensors(input, off, weight, stride, padding, dilation)
     seg = segment_length(geo)
     grouped = grouped_input(geo, seg)
     args = (*size_args(geo), *geo.stride, *geo.padding, *geo.dilation, *position_strides(go))
-    meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask is not None,
+    meta = dict(KH=geo.kernel_h, KW=geo.kernel_w, SEG=seg, HAS_MASK=mask_kind(mask, logits),
                 DOT_PRECISION=dot_precision(input.dtype), GROUPED=grouped)
     # grad_input's accumulator in the layout the kernels read the input in: [N, G, H, W, C/G], G = 1 for NHWC
     layout_groups = geo.offset_groups if grouped else 1
@@ -185,7 +202,7 @@ def _backward_chunk(
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], weight: Tensor,
     scales: Optional[Tuple[Tensor, Tensor]], grad_in: Optional[Tensor], grad_off: Optional[Tensor],
     grad_mask: Optional[Tensor], need_w: bool, concurrent: bool = False, whole: bool = False, need_b: bool = False,
-    memo: Optional[dict] = None,
+    memo: Optional[dict] = None, logits: bool = False,
 ) -> Tuple[Optional[Tensor], Optional[Tensor]]:
     """The backward of one chunk of images: writes grad_in, grad_off and grad_mask (slices of the returned
     tensors, or None when not needed) and returns what the grad_weight kernel wrote (None without need_w):
@@ -209,10 +226,10 @@ def _backward_chunk(
         key = plan_key("bwd", input, off, weight, mask, stride, padding, dilation,
                        (input, off, msk, go, grad_off if need_off else off, grad_mask if need_mask else off),
                        go.stride(), need_in, fixed_gin, need_off, need_mask, need_w, concurrent, whole, bias_rows,
-                       weight.stride())
+                       weight.stride(), logits)
         plan = plans.get(key)
     if plan is None:
-        plan = _backward_plan(input, off, weight, mask, go, stride, padding, dilation)
+        plan = _backward_plan(input, off, weight, mask, go, stride, padding, dilation, logits)
     geo, seg, dtype = plan.geo, plan.seg, input.dtype
     # grad_input's accumulator (fp32, or int64 fixed point when deterministic), zeroed in the input's transpose pass
     gin = torch.empty(plan.gin_shape, dtype=torch.int64 if fixed_gin else torch.float32,
@@ -267,7 +284,8 @@ def _backward_chunk(
         torch.cuda.set_stream(side)
         try:
             if columns:
-                grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
+                grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"],
+                                             plan.meta["HAS_MASK"])
                 grad_w.record_stream(main)
             else:
                 grad_weight_into(targets)
@@ -289,7 +307,7 @@ def _backward_chunk(
             operands = (x, off, msk, wp, go, acc, goff, gmsk, scale)
             if grad_columns_usable(geo, dtype, deterministic):
                 columns_grad_data(geo, x, off, msk if mask is not None else None, wp, go, gin, grad_off, grad_mask,
-                                  workspace_budget(), plan.meta["GROUPED"])
+                                  workspace_budget(), plan.meta["GROUPED"], plan.meta["HAS_MASK"])
             elif plan.data is None:
                 def launch_data(cfg: Config) -> Launch:
                     return launch_grad_data(geo, seg, plan.args, plan.meta, cfg, (need_in, need_off, need_mask),
@@ -320,7 +338,8 @@ def _backward_chunk(
     grad_b = go_sums
     if columns:
         if side is None:  # after the accumulator is freed: the column buffer takes its memory
-            grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"])
+            grad_w = columns_grad_weight(geo, x, off, mask, go, workspace_budget(), plan.meta["GROUPED"],
+                                         plan.meta["HAS_MASK"])
     elif need_w:
         if side is None:  # after the accumulator is freed: the partials take its memory
             targets = new_targets()

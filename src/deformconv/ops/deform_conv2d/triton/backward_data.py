@@ -83,7 +83,7 @@ def _deform_conv2d_bwd_data_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
-    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read if HAS_MASK; logits: sampling.MASK_LOGITS)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g]; if TMA a descriptor of it as [groups*KH*KW*Cin_g,
                   # Cout_g], blocks [BLOCK_K, BLOCK_N]
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA and not GO_RESIDENT a descriptor (grad_out_tile)
@@ -126,7 +126,7 @@ def _deform_conv2d_bwd_data_kernel(
         tap_lo = tl.program_id(1) * KK // TAP_SPLIT
         tap_hi = (tl.program_id(1) + 1) * KK // TAP_SPLIT
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK, PER_IMAGE, BLOCK_M)
     L = HO * WO
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -168,7 +168,7 @@ def _deform_conv2d_bwd_data_kernel(
                     if NEED_GMSK or NEED_GOFF:
                         top, bottom = corner_pairs(x_ptr, p00, cc, v00, v01, v10, v11, W * PIX, PIX, PAIRS_OUTER)
                         s00, sdx, sdy, sdy1 = pair_sums(g3, top, bottom)
-                        g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+                        g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv, HAS_MASK)
                         if NEED_GMSK:
                             tl.store(gmsk_ptr + msk_row[:, None] + (ch.to(tl.int64) * L)[None, :],
                                      g_m.to(gmsk_ptr.dtype.element_ty), mask=done)
@@ -216,7 +216,7 @@ def _deform_conv2d_bwd_data_kernel(
                             PAIRS_OUTER, c_ok)
                 # --- this (tap, offset group) is complete: store its offset and mask gradients ---
                 store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv,
-                                  m_valid, NEED_GOFF, NEED_GMSK)
+                                  m_valid, HAS_MASK, NEED_GOFF, NEED_GMSK)
 
 
 # --- launcher ------------------------------------------------------------------------------------------

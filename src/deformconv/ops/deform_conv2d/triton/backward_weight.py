@@ -93,7 +93,7 @@ def _deform_conv2d_bwd_weight_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
-    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read if HAS_MASK; logits: sampling.MASK_LOGITS)
     go_ptr,       # grad_out [N, Cout, Ho, Wo], strides below; if TMA a descriptor (grad_out_tile)
     gw_ptr,       # where the SPLIT sums go, strides below, cast to its dtype: fp32 partial sums [SPLIT, groups, KH*KW,
                   # Cin_g, Cout_g], or with SPLIT 1 grad_weight itself [Cout, Cin_g, KH, KW] in the weight's
@@ -168,7 +168,7 @@ def _deform_conv2d_bwd_weight_kernel(
         m_tiles = tl.cdiv(M, BLOCK_M)
     for mb in range(pid_s, m_tiles, SPLIT):
         m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
-            mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
+            mb, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK, PER_IMAGE, BLOCK_M)
         y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
         if NSEG > 1:
             offs_s = tl.arange(0, NSEG)

@@ -68,7 +68,7 @@ MIN_CIN_GRAD_COL = 512
 def _columns_kernel(
     x_ptr,        # input NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
-    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read only if HAS_MASK)
+    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read if HAS_MASK; logits: sampling.MASK_LOGITS)
     cols_ptr,     # A's rows [R, KH*KW*Cin] from position TILE0*BLOCK_M on
     H, W, CIN, HO, WO, M, COG, G,
     STRIDE_H, STRIDE_W, PAD_H, PAD_W, DIL_H, DIL_W,
@@ -83,7 +83,7 @@ def _columns_kernel(
     og = tl.program_id(2)
     KK: tl.constexpr = KH * KW
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, False, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK, False, BLOCK_M)
     y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
     PIX = COG if GROUPED else CIN  # the pixel stride, and where the group's channels start from a pixel's
     group0 = og * (tl.cast(H * W, tl.int64) * COG if GROUPED else COG)  # tl.cast: H, W may be constants
@@ -105,7 +105,7 @@ def _columns_kernel(
 def _grad_columns_kernel(
     x_ptr,        # input NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
-    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read only if HAS_MASK)
+    msk_ptr,      # mask NCHW [N, G*KH*KW, Ho, Wo]   (read if HAS_MASK; logits: sampling.MASK_LOGITS)
     gcol_ptr,     # grad_col's rows [R, KH*KW*Cin] fp32 from position TILE0*BLOCK_M on
     gin_ptr,      # grad_input's accumulator fp32 in x's layout, zeroed (atomic adds; if NEED_GIN)
     goff_ptr,     # grad_offset like offset (if NEED_GOFF)
@@ -127,7 +127,7 @@ def _grad_columns_kernel(
     KK: tl.constexpr = KH * KW
     L = HO * WO
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, False, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK, False, BLOCK_M)
     y_ref, x_ref = tap_origin(tap, y_out, x_out, KW, DIL_H, DIL_W)
     ch = og * KK + tap
     PIX = COG if GROUPED else CIN  # the pixel stride, and where the group's channels start from a pixel's
@@ -152,8 +152,8 @@ def _grad_columns_kernel(
                                             tl.reshape(g, (BLOCK_M, 1, BLOCK_K)), wt, wb, v00, v01, v10, v11, W * PIX,
                                             PIX, 1.0, s00, sdx, sdy, sdy1, NEED_GMSK or NEED_GOFF, NEED_GIN, False,
                                             PAIRS_OUTER, k_ok[None, :])
-    store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv, m_valid, NEED_GOFF,
-                      NEED_GMSK)
+    store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv, m_valid, HAS_MASK,
+                      NEED_GOFF, NEED_GMSK)
 
 
 # --- launchers -----------------------------------------------------------------------------------------
@@ -201,9 +201,10 @@ def columns_rows(geo: ConvGeometry, images: int, elem: int, budget: float, row_e
 
 
 def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[Tensor], go: Tensor,
-                        budget: float, grouped: bool) -> Tensor:
+                        budget: float, grouped: bool, has_mask: int) -> Tensor:
     """grad_weight's fp32 sum [1, 1, kh·kw, Cin, Cout] over the chunk's images (x, off, msk and go: the chunk's; x as
-    the kernel reads it, offset-grouped if grouped; go channels-last [n, Cout, Ho, Wo])."""
+    the kernel reads it, offset-grouped if grouped; go channels-last [n, Cout, Ho, Wo]; has_mask: the kernels'
+    HAS_MASK for msk)."""
     n = x.shape[0]
     kk, cin, cout = geo.kernel_h * geo.kernel_w, geo.in_channels, geo.out_channels
     m = n * geo.out_h * geo.out_w
@@ -216,7 +217,7 @@ def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional
     for m0 in range(0, m, rows):
         r = min(rows, m - m0)
         tensors = (x, off, msk if msk is not None else off, cols)
-        _launch(geo, n, m, m0, r, msk is not None, grouped, pointer_specs(tensors))(*tensors)
+        _launch(geo, n, m, m0, r, has_mask, grouped, pointer_specs(tensors))(*tensors)
         whole = r == m  # one buffer: no slices (each costs host time, and views of traced tensors more)
         part = mm_fp32((cols if whole else cols[:r]).t(), go_rows if whole else go_rows[m0:m0 + r])
         gw = part if gw is None else gw.add_(part)
@@ -225,7 +226,7 @@ def columns_grad_weight(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional
 
 def columns_grad_data(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[Tensor], wp: Tensor, go: Tensor,
                       gin: Optional[Tensor], goff: Optional[Tensor], gmsk: Optional[Tensor], budget: float,
-                      grouped: bool) -> None:
+                      grouped: bool, has_mask: int) -> None:
     """grad_input's fp32 adds into gin, grad_offset into goff and grad_mask into gmsk (None: not needed) for the
     chunk's images, through grad_col's rows (x and gin NHWC, or offset-grouped if grouped; off and msk as the
     forward's; wp pack_weight's [1, kh·kw, Cin, Cout]; go channels-last [n, Cout, Ho, Wo])."""
@@ -243,10 +244,10 @@ def columns_grad_data(geo: ConvGeometry, x: Tensor, off: Tensor, msk: Optional[T
         gcol = mm_fp32(go_rows if r == m else go_rows[m0:m0 + r], w_t)
         tensors = (x, off, msk if msk is not None else off, gcol, gin if gin is not None else gcol,
                    goff if goff is not None else off, gmsk if gmsk is not None else off)
-        _data_launch(geo, n, m, m0, r, msk is not None, grouped, needs, pointer_specs(tensors))(*tensors)
+        _data_launch(geo, n, m, m0, r, has_mask, grouped, needs, pointer_specs(tensors))(*tensors)
 
 
-def _data_launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool, needs: tuple,
+def _data_launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: int, grouped: bool, needs: tuple,
                  specs: tuple) -> Launch:
     """The launch of grad_col's rows m0 .. m0 + r - 1, planned once per call signature."""
     return _buffer_launch(_grad_columns_kernel, "grad_columns", (geo, n, m0, r, has_mask, grouped, needs, specs), geo,
@@ -255,7 +256,7 @@ def _data_launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: b
                               NEED_GMSK=needs[2], PAIRS_OUTER=codegen_profile().pair_axis_outer))
 
 
-def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: bool, grouped: bool,
+def _launch(geo: ConvGeometry, n: int, m: int, m0: int, r: int, has_mask: int, grouped: bool,
             specs: tuple) -> Launch:
     """The launch of rows m0 .. m0 + r - 1 of A, planned once per call signature."""
     return _buffer_launch(_columns_kernel, "columns", (geo, n, m0, r, has_mask, grouped, specs), geo, m, m0, r,

@@ -43,6 +43,7 @@ from .geometry import (
     count_m_tiles,
     grouped_input,
     k_chunks_whole,
+    mask_kind,
     per_image_tiles,
     plan_key,
     position_strides,
@@ -99,7 +100,7 @@ def _deform_conv2d_fwd_kernel(
     # pointers
     x_ptr,        # input  NHWC [N, H, W, Cin], or offset-grouped [N, G, H, W, Cin/G] if GROUPED
     off_ptr,      # offset NCHW [N, 2*G*KH*KW, Ho, Wo]
-    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read only if HAS_MASK)
+    msk_ptr,      # mask   NCHW [N, G*KH*KW, Ho, Wo]         (read if HAS_MASK; logits: sampling.MASK_LOGITS)
     w_ptr,        # weight packed [groups, KH*KW, Cin_g, Cout_g], or [groups, KH*KW, Cout_g, Cin_g] if W_K_MAJOR;
                   # if TMA a descriptor of it (weight_descriptor): [groups*KH*KW*Cin_g, Cout_g] in blocks
                   # [BLOCK_K, BLOCK_N], or if W_K_MAJOR [groups*KH*KW*Cout_g, Cin_g] in blocks [BLOCK_N, BLOCK_K]
@@ -139,7 +140,7 @@ def _deform_conv2d_fwd_kernel(
     pid_n = pid % num_n
     KK: tl.constexpr = KH * KW
     m_valid, n_img, l, pix_base, off_row, msk_row, y_out, x_out = position_setup(
-        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, PER_IMAGE, BLOCK_M)
+        pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK, PER_IMAGE, BLOCK_M)
     L = HO * WO
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < COUT_G
@@ -275,7 +276,7 @@ def _weight_operand(run: Launch, wp: Tensor):
 
 
 def _launch_forward(plan: ForwardPlan, cfg: Config, x: Tensor, off: Tensor, msk: Tensor, wp: Tensor, b: Tensor,
-                    out: Tensor, has_mask: bool, has_bias: bool) -> Launch:
+                    out: Tensor, has_mask: int, has_bias: bool) -> Launch:
     """Plan and run the forward kernel with cfg (compiling it on first use)."""
     geo, seg, dtype = plan.geo, plan.seg, x.dtype
     nseg = segments_per_chunk(geo, seg, cfg.block_k, "fwd")
@@ -301,27 +302,32 @@ def _launch_forward(plan: ForwardPlan, cfg: Config, x: Tensor, off: Tensor, msk:
 def deform_conv2d_forward(
     input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
     stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], keep: Optional[dict] = None,
-    memo: Optional[dict] = None,
+    memo: Optional[dict] = None, logits: bool = False,
 ) -> Tensor:
     """out [N, Cout, Ho, Wo] in input's dtype and memory format. Arguments already validated. keep: a dict that
     receives "packed_weight", the packed weight in the layout the backward reads (16-bit inputs: the forward's own),
     for deform_conv2d_backward's packed_weight, and "offset" / "mask", the contiguous copies made of them here (a
     module's offset and mask are channel slices of its offset conv's output), for its operands. memo: a dict kept
     by a caller that knows the call signature already (call.py), which holds the plan once there is one, so that
-    no plan key is built at later calls."""
-    off, msk = contiguous_operands(offset, mask)
-    if keep is not None:
-        if off is not offset:
-            keep["offset"] = off
-        if msk is not mask:
-            keep["mask"] = msk
+    no plan key is built at later calls. logits: offset and mask are the channel ranges [:2·G·kh·kw] and
+    [2·G·kh·kw:] of one NCHW-contiguous tensor (geometry.reads_logits) and mask holds logits: the kernels read both
+    where they are and take the sigmoid themselves (eager calls only: a traced call's kernels read copies)."""
+    if logits:
+        off, msk = offset, mask
+    else:
+        off, msk = contiguous_operands(offset, mask)
+        if keep is not None:
+            if off is not offset:
+                keep["offset"] = off
+            if msk is not mask:
+                keep["mask"] = msk
     msk = msk if msk is not None else off  # the mask and bias pointers fall back to the offset; never read then
     b = bias.contiguous() if bias is not None else off
     plan = memo.get("fwd") if memo is not None else None
     if plan is None:
         plans = options.cache("plans")
         key = plan_key("fwd", input, offset, weight, mask, stride, padding, dilation, (input, off, msk, b),
-                       bias is None)
+                       bias is None, logits)
         plan = plans.get(key)
     if plan is None:
         geo = geometry_from_tensors(input, offset, weight, stride, padding, dilation)
@@ -337,8 +343,9 @@ def deform_conv2d_forward(
         plan.launch(x, off, msk, _weight_operand(plan.launch, wp), b, out)
     else:
         def launch(cfg: Config) -> Launch:
-            return _launch_forward(plan, cfg, x, off, msk, wp, b, out, mask is not None, bias is not None)
+            return _launch_forward(plan, cfg, x, off, msk, wp, b, out, kind, bias is not None)
 
+        kind = mask_kind(mask, logits)
         cfg = pick_config(tuning_class("fwd", geo, input.dtype, plan.seg, mask is not None),
                           fwd_candidates(geo, plan.seg, input.dtype, input.device), launch, input.device)
         plan.launch = launch(cfg)

@@ -19,6 +19,7 @@ from ....checks import ConvGeometry
 from ....compat import codegen_profile
 from ....config import options
 from ...common.launch import ceil_div, next_pow2, pointer_specs
+from ...common.sampling import MASK_LOGITS, MASK_VALUES
 
 
 def segment_length(geo: ConvGeometry) -> int:
@@ -125,6 +126,21 @@ def position_strides(t: Tensor) -> Tuple[int, int, int]:
 def contiguous_operands(offset: Tensor, mask: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
     """Offset and mask as the kernels read them: contiguous (a missing mask stays None)."""
     return offset.contiguous(), mask.contiguous() if mask is not None else None
+
+
+def mask_kind(mask: Optional[Tensor], logits: bool) -> int:
+    """The kernels' HAS_MASK (common/sampling.py): none (0), mask values, or a modulated layer's mask logits."""
+    if mask is None:
+        return 0
+    return MASK_LOGITS.value if logits else MASK_VALUES.value
+
+
+def reads_logits(out: Tensor) -> bool:
+    """Whether the kernels can read a modulated layer's offset and mask logits straight from its offset conv's output
+    [N, 3·G·kh·kw, Ho, Wo] (MASK_LOGITS): where it is NCHW-contiguous, so that its two channel ranges are the offset's
+    and the mask's planes, each image 3·G·kh·kw planes on. (A channels_last output takes the split's copies, as every
+    output does with options.mask_logits off.)"""
+    return options.mask_logits and out.is_contiguous()
 
 
 def tuning_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has_mask: bool) -> tuple:

@@ -15,6 +15,7 @@ from torch import Tensor
 from ....checks import ConvGeometry
 from ....compat import TensorDescriptor
 from ...common.sampling import (
+    MASK_LOGITS,
     corner_pairs,
     mask_offset_grads,
     pair_sums,
@@ -50,13 +51,20 @@ def tile_positions(pid_m, M, L, PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W,
+def position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H, PAD_W, HAS_MASK: tl.constexpr,
                     PER_IMAGE: tl.constexpr, BLOCK_M: tl.constexpr):
     """Per output position of M tile pid_m: validity, image index, l = ho*Wo + wo (int64, for addresses), the
-    NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point.
+    NHWC image base, the offset/mask row bases (int64) and the undeformed top-left sample point. The offset's and
+    mask's images are 2·G·KK and G·KK planes apart, or with MASK_LOGITS both 3·G·KK (channel ranges of one tensor).
     PER_IMAGE: tiles never cross an image (N * cdiv(Ho*Wo, BLOCK_M) of them), so the image index and l come
     from one scalar division per tile instead of a division by Ho*Wo per position; else M is tiled flat."""
     L = HO * WO
+    if HAS_MASK == MASK_LOGITS:
+        off_planes = 3 * G * KK
+        msk_planes = 3 * G * KK
+    else:
+        off_planes = 2 * G * KK
+        msk_planes = G * KK
     if PER_IMAGE:
         img, l0 = tile_start(pid_m, L, PER_IMAGE, BLOCK_M)
         img = img.to(tl.int64)
@@ -64,16 +72,16 @@ def position_setup(pid_m, M, HO, WO, H, W, CIN, G, KK, STRIDE_H, STRIDE_W, PAD_H
         m_valid = l32 < L
         n_img = tl.zeros((BLOCK_M,), tl.int64) + img
         l = l32.to(tl.int64)
-        off_row = img * (2 * G * KK) * L + l
-        msk_row = img * (G * KK) * L + l
+        off_row = img * off_planes * L + l
+        msk_row = img * msk_planes * L + l
     else:
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_valid = offs_m < M
         n_img = (offs_m // L).to(tl.int64)
         l32 = offs_m % L
         l = l32.to(tl.int64)
-        off_row = n_img * (2 * G * KK) * L + l
-        msk_row = n_img * (G * KK) * L + l
+        off_row = n_img * off_planes * L + l
+        msk_row = n_img * msk_planes * L + l
     ho = l32 // WO
     wo = l32 % WO
     pix_base = n_img * H * W * CIN
@@ -144,10 +152,10 @@ def segment_grads(x_ptr, gin_ptr, p00, cc, g, wt, wb, v00, v01, v10, v11, ROW, P
 
 @triton.jit
 def store_point_grads(goff_ptr, gmsk_ptr, off_row, msk_row, ch, L, s00, sdx, sdy, sdy1, ly, lx, mv, m_valid,
-                      NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr):
+                      HAS_MASK: tl.constexpr, NEED_GOFF: tl.constexpr, NEED_GMSK: tl.constexpr):
     """grad_offset and grad_mask of one (tap, offset group) [BM, 1] from segment_grads' sums, stored (NCHW, as the
     offset and mask: each element owned by one program)."""
-    g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv)
+    g_m, g_y, g_x = mask_offset_grads(s00, sdx, sdy, sdy1, ly, lx, mv, HAS_MASK)
     done = m_valid[:, None]
     if NEED_GOFF:
         gy_row = off_row[:, None] + (2 * ch).to(tl.int64) * L
