@@ -106,9 +106,10 @@ def sample_point(
 
 @triton.jit
 def mask_value(raw, HAS_MASK: tl.constexpr):
-    """The modulation (fp32) from the mask operand as loaded: itself, or the sigmoid of a logit (MASK_LOGITS)."""
+    """The modulation (fp32) from the mask operand as loaded: itself, or the sigmoid of a logit (MASK_LOGITS), its
+    division rounded as IEEE's (div; tl.sigmoid's is approximate)."""
     if HAS_MASK == MASK_LOGITS:
-        return tl.sigmoid(raw.to(tl.float32))
+        return div(1.0, 1.0 + tl.exp(-raw.to(tl.float32)))
     return raw.to(tl.float32)
 
 
