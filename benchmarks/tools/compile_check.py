@@ -280,6 +280,7 @@ def deform_conv_nd_cases(dtypes):
     # (function, input shape, weight shape, offset/mask positions, extra positional arguments after bias)
     shapes = {
         "conv3d": ("deform_conv3d", (1, 8, 4, 5, 6), (4, 8, 3, 3, 3), (4, 5, 6), (1, 1, 1)),
+        "conv3d-c64": ("deform_conv3d", (1, 64, 3, 4, 5), (32, 64, 3, 3, 3), (3, 4, 5), (1, 1, 1)),  # wide tiles
         "conv1d-og2": ("deform_conv1d", (2, 8, 11), (6, 4, 3), (11,), (1, 1, 1)),
         "transpose2d": ("deform_conv_transpose2d", (1, 6, 5, 7), (6, 4, 3, 3), (5, 7), (2, 1, 1, 1)),
         "transpose3d": ("deform_conv_transpose3d", (1, 4, 3, 4, 5), (4, 2, 2, 2, 2), (3, 4, 5), (2, 0, 0, 1)),

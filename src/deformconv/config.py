@@ -144,7 +144,8 @@ class Options:
 
     # Off: the path the product takes where the faster one does not apply (plain stores where runs do not fit, the
     # two passes of a channels-last input, one layout copy a launch, grad_weight through its finishing pass at more
-    # than one split, a modulated layer's offset and mask split into copies), forced at shapes where it would not, so that the tests compare both on the same inputs
+    # than one split, a modulated layer's offset and mask split into copies), forced at shapes where it would not, so
+    # that the tests compare both on the same inputs
     run_stores: bool = True              # the forward's vectorised NCHW stores
     fused_prep: bool = True              # the forward's weight pack and input copy in one launch
     paired_transposes: bool = True       # the backward's two layout copies in one launch

@@ -110,6 +110,14 @@ def _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, CORNER: tl.constexpr):
 
 
 @triton.jit
+def _rows(valid):
+    """valid [BL] as a [BL, 1] mask, through int32: Triton 3.6 fails to compile a kernel whose i1 points' validity is
+    used both as a 1-D select condition and, broadcast, as a 2-D load mask (its layout pass gives the two uses
+    different layouts and cannot convert an i1 between them)."""
+    return valid.to(tl.int32)[:, None] != 0
+
+
+@triton.jit
 def _program(off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH: tl.constexpr,
              KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr):
     """A program's (image n, offset group g, tap k) and positions l (grid: L tiles, N·G·K), their sample points
@@ -145,7 +153,7 @@ def _columns_kernel(
         acc = tl.zeros((BLOCK_L, BLOCK_C), tl.float32)
         for corner in tl.static_range(1 << RANK):
             pix, valid, weight, _, _, _ = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
-            v = tl.load(x_ptr + pix[:, None] * C + (g * CG + cc)[None, :], mask=valid[:, None] & c_ok[None, :],
+            v = tl.load(x_ptr + pix[:, None] * C + (g * CG + cc)[None, :], mask=_rows(valid) & c_ok[None, :],
                         other=0.0).to(tl.float32)
             acc += weight[:, None] * v
         acc = tl.where(nan[:, None], float("nan"), acc) * m[:, None]
@@ -186,7 +194,7 @@ def _columns_grad_kernel(
         for corner in tl.static_range(1 << RANK):
             pix, valid, weight, dd, dh, dw = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
             ptrs = pix[:, None] * C + (g * CG + cc)[None, :]
-            vm = valid[:, None] & c_ok[None, :]
+            vm = _rows(valid) & c_ok[None, :]
             if NEED_OFF or NEED_MSK:
                 v = tl.load(x_ptr + ptrs, mask=vm, other=0.0).to(tl.float32)
                 s = tl.sum(gc * v, axis=1)
