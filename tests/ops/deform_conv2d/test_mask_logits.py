@@ -1,8 +1,9 @@
 """A modulated layer's planned call reading its offset conv's output as it is (sampling.MASK_LOGITS): the kernels take
 the offset and the mask's logits from the one NCHW tensor, apply the sigmoid themselves and write both gradients into
-one tensor like it. Against the float64 oracle (the offset conv, the split, the sigmoid and the naive op), on every
-route the kernels take: packed and long segments, sample points loaded ahead or in the step, the column buffers,
-deterministic mode, the batch in chunks; and a channels_last output, which takes the split, bit for bit as before."""
+one tensor like it. Against the float64 oracle from the offset conv's output as computed (the split, the sigmoid and
+the naive op), on every route the kernels take: packed and long segments, sample points loaded ahead or in the step,
+the column buffers, deterministic mode, the batch in chunks; and a channels_last output, which takes the split, bit for
+bit as before."""
 
 import dataclasses
 

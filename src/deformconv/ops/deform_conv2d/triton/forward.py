@@ -342,10 +342,11 @@ def deform_conv2d_forward(
     if plan.launch is not None:
         plan.launch(x, off, msk, _weight_operand(plan.launch, wp), b, out)
     else:
+        kind = mask_kind(mask, logits)
+
         def launch(cfg: Config) -> Launch:
             return _launch_forward(plan, cfg, x, off, msk, wp, b, out, kind, bias is not None)
 
-        kind = mask_kind(mask, logits)
         cfg = pick_config(tuning_class("fwd", geo, input.dtype, plan.seg, mask is not None),
                           fwd_candidates(geo, plan.seg, input.dtype, input.device), launch, input.device)
         plan.launch = launch(cfg)
