@@ -242,11 +242,18 @@ def test_registrations_compile_export_and_autocast():
     torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(q, ref, x, shapes, starts), eager)
     ep = torch.export.export(m, (q, ref, x, shapes, starts))
     assert any("deformconv.ms_deform_attn" in str(nd.target) for nd in ep.graph.nodes)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = deformconv.ms_deform_attn(value, shapes, starts, loc, attn)
-    assert out.dtype == torch.bfloat16
-    exact = deformconv.ms_deform_attn(value.bfloat16().double(), shapes, starts, loc.double(), attn.bfloat16().double())
-    assert_close(out, exact, torch.bfloat16, "locations kept in fp32 under autocast")
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the eager path and the registered op's autocast rule
+        outs = [deformconv.ms_deform_attn(value, shapes, starts, loc, attn),
+                torch.ops.deformconv.ms_deform_attn(value, shapes, starts, loc, attn, "")]
+    attn64 = attn.detach().double().requires_grad_(True)
+    exact = deformconv.ms_deform_attn(value.bfloat16().double(), shapes, starts, loc.double(), attn64)
+    (exact_grad,) = torch.autograd.grad(exact.sum(), attn64)
+    for out in outs:
+        assert out.dtype == torch.bfloat16
+        assert_close(out, exact, torch.bfloat16, "locations and weights kept in fp32 under autocast")
+        # the weights' gradient of a sum (bf16 ones: exact) in fp32 from the bf16 value: fp32's rounding, not bf16's
+        (grad,) = torch.autograd.grad(out.float().sum(), attn)
+        assert_close(grad, exact_grad, torch.float32, "the weights' gradient")
 
 
 @pytest.mark.parametrize("change,match", [

@@ -76,7 +76,7 @@ def ms_deform_attn(value: Tensor, spatial_shapes: Tensor, level_start_index: Ten
 
     Returns:
         Tensor[N, Lq, M * D] in value's dtype. Gradients for value, sampling_locations and attention_weights. Under
-        autocast the locations keep their dtype (fp32), the rest runs in the autocast dtype.
+        autocast the locations and weights keep their dtype (fp32), the value and output take the autocast dtype.
 
     With CUDA shape tensors their sizes are not read on the host (no sync): a level reaching past S samples nothing.
 
@@ -107,7 +107,7 @@ def _attention(value: Tensor, spatial_shapes: Tensor, level_start_index: Tensor,
         _check_levels(spatial_shapes, level_start_index, value.shape[1])
     args = (value, spatial_shapes.to(torch.int64), level_start_index.to(torch.int64), sampling_locations,
             attention_weights, dispatch.backend_argument("ms_deform_attn", backend))
-    out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=(3,))
+    out = run_eager(_op.msda_forward, _op.msda_backward, (0, 3, 4), args, keep=_op.KEEP)
     return out if out is not None else torch.ops.deformconv.ms_deform_attn(*args)
 
 
@@ -272,15 +272,15 @@ def _discrete(value: Tensor, loc: Tensor, attn: Tensor, levels: _Levels) -> Tens
 def _planned(value, spatial_shapes, level_start_index, sampling_locations, attention_weights, backend, tile_value):
     """ms_deform_attn through its call signature's Call of the Triton kernels (ops/msda/triton.py; eager.run_planned),
     or None where the call takes the general path (eager.run_planned says when; also shape tensors not int64, empty
-    inputs, another backend). The locations keep their dtype under autocast, as the op's rule has it."""
+    inputs, another backend). The locations and weights keep their dtype under autocast, as the op's rule has it."""
     if backend is not None and type(backend) is not str:
         return None
     tensors = [value, spatial_shapes, level_start_index, sampling_locations, attention_weights]
     levels = None
     if tile_value and isinstance(spatial_shapes, Tensor) and spatial_shapes.is_cpu:  # contents: read at every call
         levels = lambda: _check_levels(spatial_shapes, level_start_index, value.shape[1])  # noqa: E731
-    return run_planned("msda_eager", tensors, (backend, config.backend()), lambda t: _new_call(t, backend), keep=(3,),
-                       each_call=levels)
+    return run_planned("msda_eager", tensors, (backend, config.backend()), lambda t: _new_call(t, backend),
+                       keep=_op.KEEP, each_call=levels)
 
 
 def _new_call(tensors, backend):

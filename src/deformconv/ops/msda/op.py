@@ -80,6 +80,10 @@ def _backward(ctx, grad_out):
 
 
 ms_deform_attn_op.register_autograd(_backward, setup_context=_setup)
-# the sampling locations stay as they come (fp32): normalised coordinates in 16 bits would be off by up to 1/256 of a
-# level's width (bf16), a pixel and more on a large level
-register_autocast("ms_deform_attn", keep=(3,))
+# Under autocast the sampling locations and the attention weights stay as they come (fp32; the value and the output
+# take the autocast dtype). Normalised coordinates in 16 bits would be off by up to 1/256 of a level's width (bf16), a
+# pixel and more on a large level. The weights' gradient goes into their softmax's backward, a·(g − Σ a·g), whose
+# difference of nearly equal terms keeps only the digits g has: rounded to 16 bits, a model's training step drifts
+# from its fp32 result several times as far as transformers' own path (which keeps the weights in fp32) does.
+KEEP = (3, 4)
+register_autocast("ms_deform_attn", keep=KEEP)
