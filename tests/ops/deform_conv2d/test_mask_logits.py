@@ -122,7 +122,9 @@ def test_logits_read_in_place_match_the_oracle(backend, dtype, case, route, forc
 @pytest.mark.parametrize("route", ["kernels", "columns", "deterministic", "image-chunks"])
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_logits_read_in_place_on_the_gpu(dtype, route, case, forced, monkeypatch):
-    """The logits route on the GPU, at a network's layer shapes and odd ones, against the float64 reference."""
+    """The logits route on the GPU, at a network's layer shapes and odd ones, against the float64 reference (fp32
+    without TF32, as F.conv2d with cudnn.allow_tf32 = False: the kernels follow that switch)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     _check_logits_route(GPU_CASES[case], dtype, route, forced, monkeypatch, "cuda", _reference)
 
 
