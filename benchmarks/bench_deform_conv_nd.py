@@ -67,10 +67,12 @@ def _calls(load):
         import tvdcn
 
         fn = getattr(tvdcn.ops, f"deform_conv_transpose{rank}d" if transposed else f"deform_conv{rank}d")
+        # its ops take per-axis lists only (an int fails its schema), dilation and groups given
+        st, pd, opd, dil = [stride] * rank, [pad] * rank, [out_pad] * rank, [1] * rank
         if transposed:
-            calls["tvdcn"] = lambda x, o, w, b, m: fn(x, w, o, m, b, stride, pad, out_pad)
+            calls["tvdcn"] = lambda x, o, w, b, m: fn(x, w, o, m, b, st, pd, opd, dil, 1)
         else:
-            calls["tvdcn"] = lambda x, o, w, b, m: fn(x, w, o, m, b, stride, pad)
+            calls["tvdcn"] = lambda x, o, w, b, m: fn(x, w, o, m, b, st, pd, dil, 1)
     except Exception as e:  # not installed: the row is left out
         print(f"tvdcn: {type(e).__name__}: {e}"[:200], file=sys.stderr)
     return calls

@@ -11,9 +11,11 @@ and for the training step random targets (5 boxes an image; Mask2Former 5 masks)
 Paths: ``default`` (transformers' own attention), ``deformconv`` (deformconv.integrations.transformers.patch),
 ``deformops`` (deformops' own transformers patch on its Triton backend, where it patches the model), ``cuda``
 (Deformable DETR's own CUDA kernel in place of transformers' attention module, where its extension is importable).
-bfloat16 runs under ``torch.autocast``. Each row: the median wall time of a step (eager, as a user runs it;
-synchronised), the GPU time of one step and the share of it in the attention's kernels (torch.profiler: the sum of
-the step's kernel times), and peak memory. A training step is zero_grad, forward with the loss, backward.
+bfloat16 runs under ``torch.autocast``. The paths' models live side by side and their timed steps take turns.
+Each row: the median wall time of a step (eager, as a user runs it; synchronised), the GPU time of one step and the
+share of it in the attention's kernels (torch.profiler: the sum of the step's kernel times), and peak memory (what
+the step allocates beyond what was allocated before it, plus the path's own model, gradients and inputs). A
+training step is zero_grad, forward with the loss, backward.
 """
 
 from __future__ import annotations
@@ -150,38 +152,74 @@ def gpu_time(step) -> tuple:
     return total / 1e3, attention / 1e3
 
 
-def measure(name, path, dtype, train, iters, compiled=False, warmup=3):
+def _resident_mib(model, args) -> float:
+    """MiB held by one path's model (parameters, buffers, gradients) and inputs: its share of what is allocated."""
+    seen, total = set(), 0
+    tensors = [*model.parameters(), *model.buffers(), *(p.grad for p in model.parameters() if p.grad is not None)]
+    tensors += [t for v in args.values() for t in (v if isinstance(v, list) else [v])
+                for t in (t.values() if isinstance(t, dict) else [t])]
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total / 2**20
+
+
+def measure(name, paths, dtype, train, iters, compiled=False, warmup=3):
+    """{path: record}: every path's model built, warmed and then timed in turns (step i of each path, then step i + 1),
+    so that a drift of the host's speed during the run falls on every path alike."""
     import transformers
 
-    torch.manual_seed(0)
-    model = build(name).cuda().train(train)
-    model, why = apply_path(model, path)
-    if model is None:
-        return {"skipped": why}
-    args = inputs(name, train, "cuda")
-    # torch.compile's default mode over the model (the loss's Hungarian matching runs on the host between graphs)
-    step = step_fn(torch.compile(model) if compiled else model, args, train, dtype)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step()
-    torch.cuda.synchronize()
-    first = (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        step()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    times = []
+    steps, records, models = {}, {}, {}
+    for path in paths:
+        try:
+            torch.manual_seed(0)
+            model, why = apply_path(build(name).cuda().train(train), path)
+            if model is None:
+                records[path] = {"skipped": why}
+                continue
+            args = inputs(name, train, "cuda")
+            # torch.compile's default mode over the model (the loss's Hungarian matching runs on the host between
+            # graphs)
+            step = step_fn(torch.compile(model) if compiled else model, args, train, dtype)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            torch.cuda.synchronize()
+            first = (time.perf_counter() - t0) * 1e3
+            for _ in range(warmup):
+                step()
+            torch.cuda.synchronize()
+            # peak: what the step adds to what is allocated, plus this path's own model and inputs
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before + _resident_mib(model, args) * 2**20
+            steps[path], models[path] = step, (model, args)
+            records[path] = {"first_ms": first, "peak_mib": peak / 2**20, "times": [],
+                             "transformers": transformers.__version__}
+        except Exception as e:  # a path that fails at this load: recorded, the run goes on
+            records[path] = {"error": f"{type(e).__name__}: {e}"[:300]}
     for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    peak = torch.cuda.max_memory_allocated() / 2**20
-    gpu, attention = gpu_time(step)
-    del model, args
+        for path, step in steps.items():
+            try:
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                records[path]["times"].append((time.perf_counter() - t0) * 1e3)
+            except Exception as e:
+                records[path] = {"error": f"{type(e).__name__}: {e}"[:300]}
+    for path, step in steps.items():
+        r = records[path]
+        if "error" in r:
+            continue
+        r["ms"] = statistics.median(r.pop("times"))
+        r["gpu_ms"], r["attention_gpu_ms"] = gpu_time(step)
+    del steps, models
     torch.cuda.empty_cache()
-    return {"ms": statistics.median(times), "first_ms": first, "gpu_ms": gpu, "attention_gpu_ms": attention,
-            "peak_mib": peak, "transformers": transformers.__version__}
+    return records
 
 
 def main(argv=None):
@@ -202,12 +240,8 @@ def main(argv=None):
     for name in a.models:
         for mode in a.modes:
             for dt in a.dtypes:
-                for path in a.paths:
-                    dtype = getattr(torch, dt)
-                    try:
-                        r = measure(name, path, dtype, mode == "train", a.iters, a.compile)
-                    except Exception as e:  # a path that fails at this load: recorded, the run goes on
-                        r = {"error": f"{type(e).__name__}: {e}"[:300]}
+                results = measure(name, a.paths, getattr(torch, dt), mode == "train", a.iters, a.compile)
+                for path, r in results.items():
                     r.update(model=name, mode=mode, dtype=dt, path=path, compiled=a.compile)
                     records.append(r)
                     if "ms" in r:
