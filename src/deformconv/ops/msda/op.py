@@ -82,8 +82,8 @@ def _backward(ctx, grad_out):
 ms_deform_attn_op.register_autograd(_backward, setup_context=_setup)
 # Under autocast the sampling locations and the attention weights stay as they come (fp32; the value and the output
 # take the autocast dtype). Normalised coordinates in 16 bits would be off by up to 1/256 of a level's width (bf16), a
-# pixel and more on a large level. The weights' gradient goes into their softmax's backward, a·(g − Σ a·g), whose
-# difference of nearly equal terms keeps only the digits g has: rounded to 16 bits, a model's training step drifts
-# from its fp32 result several times as far as transformers' own path (which keeps the weights in fp32) does.
+# pixel and more on a large level. The weights' gradient goes into their softmax's backward, a·(g − Σ a·g), a
+# difference of nearly equal terms that keeps only the digits g has: kept in fp32 it carries fp32's rounding, not
+# bf16's (transformers' own path keeps the weights in fp32 too), and no cast kernel runs for them.
 KEEP = (3, 4)
 register_autocast("ms_deform_attn", keep=KEEP)
