@@ -5,13 +5,12 @@ peers.
 
 Loads (M=8 heads, D=32, P=4): Deformable DETR's (batch 2, L=4 levels 100x150, 50x75, 25x38, 13x19) encoder (every
 pixel of every level a query, 20,568 queries) and decoder (300 and 900 queries); Mask2Former's pixel decoder (L=3
-levels at strides 8-32, every pixel a query) at 512x512 (batch 4, 5,376 queries) and 1024x1024 (batch 1, 21,504).
-The `host` load (batch 1, two levels 8x8 and 4x4, 16 queries) keeps the GPU
-idle: its eager time is the host's time a call (the CUDA-graph time beside it is the GPU's). Locations uniform over
-each level (some outside), attention weights softmaxed. Forward and forward+backward (gradients of value, locations
-and weights), `do_bench` medians of eager calls and of CUDA-graph replays; peak memory of one forward+backward; the
-first call's time. A dtype `autocast-bfloat16` (or `autocast-float16`) runs fp32 inputs under autocast, as a model's
-step under autocast does.
+levels at strides 8-32, every pixel a query) at 512x512 (batch 4, 5,376 queries) and 1024x1024 (batch 1, 21,504). The
+`host` load (batch 1, two levels 8x8 and 4x4, 16 queries) keeps the GPU idle: its eager time is the host's time a call
+(the CUDA-graph time beside it is the GPU's). Locations uniform over each level (some outside), attention weights
+softmaxed. Forward and forward+backward (gradients of value, locations and weights), `do_bench` medians of eager calls
+and of CUDA-graph replays; peak memory of one forward+backward; the first call's time. A dtype `autocast-bfloat16` (or
+`autocast-float16`) runs fp32 inputs under autocast, as a model's step under autocast does.
 
 transformers' own attention (Deformable DETR's module: a `grid_sample` a level) joins as `transformers` where
 transformers is importable; deformops' Triton and CUDA backends join as `deformops_triton` and `deformops_cuda` where
