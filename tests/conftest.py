@@ -25,7 +25,7 @@ requires_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0"
 # tests/ops/, the compile route's traced kernels), the kernels compiled to machine code, the property tests and the
 # benchmark tools' tests.
 FULL_FILES = ("test_kernels_compile.py", "test_properties.py", "test_properties_family.py", "test_bench_isolate.py",
-              "test_planned_deform_conv2d.py", "test_compile_route.py")
+              "test_bench_transformers.py", "test_planned_deform_conv2d.py", "test_compile_route.py")
 FULL_WORDS = ("interpreter", "triton", "kernels", "planned", "half_error", "bench")
 
 
