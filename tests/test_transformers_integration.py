@@ -16,7 +16,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 transformers = pytest.importorskip("transformers")
 
 import _hf_models as models  # noqa: E402
-from conftest import TOL, assert_close  # noqa: E402
+from conftest import TOL, assert_close, requires_cuda  # noqa: E402
 
 import deformconv  # noqa: E402
 from deformconv.integrations import transformers as integration  # noqa: E402
@@ -150,6 +150,27 @@ def test_v2_function_matches_transformers(method, counts):
             assert_close(a, b, torch.float64, f"{backend} grad of {name}")
     shapes = torch.tensor(sizes)  # the levels as a tensor too
     assert_close(deformconv.ms_deform_attn_v2(value, shapes, loc, attn, counts, method), want, torch.float64, "")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_v2_discrete_sums_the_points_of_a_pixel_once_rounded(device, dtype):
+    """The discrete method in 16 bits: 8,192 points a pixel (a 2x2 level), the value's gradient within the dtype's
+    tolerance of float64's. Summed in the value's dtype (the GPU's atomics), each addition would round: off by
+    about a tenth."""
+    g = torch.Generator().manual_seed(3)
+    n, lq, m, d, t = 1, 4096, 1, 3, 8
+    value = torch.randn(n, 4, m, d, generator=g, dtype=torch.float64).to(dtype).double()
+    loc = torch.randint(0, 2, (n, lq, m, t, 2), generator=g).double() / 2 + 0.25  # pixel centres: no rounding ties
+    attn = torch.randn(n, lq, m, t, generator=g, dtype=torch.float64).to(dtype).double()
+    grad_out = torch.randn(n, lq, m * d, generator=g, dtype=torch.float64).to(dtype).double()
+    want = torch.autograd.grad(deformconv.ms_deform_attn_v2(value.requires_grad_(), [(2, 2)], loc, attn, [t],
+                                                            "discrete"), value, grad_out)[0]
+    low = value.detach().to(device, dtype).requires_grad_()
+    out = deformconv.ms_deform_attn_v2(low, [(2, 2)], loc.to(device, dtype), attn.to(device, dtype), [t], "discrete")
+    got = torch.autograd.grad(out, low, grad_out.to(device, dtype))[0]
+    assert got.dtype == dtype
+    assert_close(got.double().cpu(), want, dtype, "grad of value")
 
 
 def test_v2_function_checks_its_arguments():

@@ -264,7 +264,10 @@ def _discrete(value: Tensor, loc: Tensor, attn: Tensor, levels: _Levels) -> Tens
     y = torch.minimum(xy[..., 1].clamp_min(0), wh[:, 1] - 1)
     pixel = levels.point_starts + y * wh[:, 0] + x  # [N, Lq, M, T]
     index = pixel.permute(0, 2, 1, 3).reshape(n, m, lq * t, 1).expand(n, m, lq * t, d)
-    sampled = torch.gather(value.permute(0, 2, 1, 3), 2, index).view(n, m, lq, t, d)
+    # Gathered from fp32: the same values, and the gather's backward sums the points that share a pixel in fp32
+    # (in a 16-bit value each addition would round, and the atomics' order would change the result).
+    source = value.float() if value.dtype in (torch.float16, torch.bfloat16) else value
+    sampled = torch.gather(source.permute(0, 2, 1, 3), 2, index).view(n, m, lq, t, d)
     out = (sampled * attn.permute(0, 2, 1, 3)[..., None]).sum(3)  # [N, M, Lq, D]
     return out.permute(0, 2, 1, 3).reshape(n, lq, m * d).to(value.dtype)
 
