@@ -41,6 +41,13 @@ from ..common.sampling import accumulate_point, join_columns, point_corners, poi
 TILE = (256, 2)  # (elements, warps) of a program: 8 queries of 32 channels (docs/tuning.md: point parameters)
 
 
+def forward_warps(warps: int, dtype: torch.dtype) -> int:
+    """The forward's warps: for a 16-bit value half the tile's, so that a thread loads as many bytes of a corner row
+    (16: 8 channels, 4 in fp32) from the same programs; the backward, whose threads also add into the fp32 gradient,
+    keeps the tile's (docs/tuning.md: the 16-bit forward). A tile forced by options.gather_tile is taken as it is."""
+    return max(1, warps // 2) if dtype.itemsize == 2 and options.gather_tile is None else warps
+
+
 # --- kernels -------------------------------------------------------------------------------------------
 
 
@@ -234,7 +241,8 @@ class Call:
         self.dtype, self.device = value.dtype, value.device
         self.preload = preload_points(self.meta["L"] * self.meta["P"])
         self.forward_launch = Launch(_msda_fwd_kernel, self.grid, self.sizes,
-                                     dict(self.meta, PRELOAD=self.preload))
+                                     dict(self.meta, PRELOAD=self.preload,
+                                          num_warps=forward_warps(self.meta["num_warps"], value.dtype)))
         self.backward_launches: dict = {}
 
     def forward(self, value, shapes, starts, loc, attn) -> Tensor:
