@@ -200,6 +200,7 @@ def dcnv_cases(dtypes):
         "d64-rc": (1, 17, 23, 2, 64, 3, 1, 1, 1, 0.5, True),
         "d5-s2-dil2": (3, 19, 21, 3, 5, 3, 2, 1, 2, 1.3, False),
         "5x5-d24": (2, 13, 11, 2, 24, 5, 1, 2, 1, 1.0, True),
+        "sizes-of-16": (1, 32, 48, 4, 16, 3, 1, 1, 1, 1.0, False),  # every size a multiple of 16
     }
     for name, (n, h, w, g, d, k, s, p, dil, scale, rc) in shapes.items():
         for dtype in dtypes:
@@ -225,6 +226,7 @@ def msda_cases(dtypes):
         "d24-one-level": (3, 77, 3, 24, [(17, 23)], 5),
         "d5-heads2": (2, 40, 2, 5, [(9, 13), (1, 1)], 3),
         "d64": (1, 50, 4, 64, [(10, 12), (5, 6)], 4),
+        "sizes-of-16": (2, 64, 8, 32, [(8, 8), (4, 4)], 4),  # rows, queries and pixels all multiples of 16
     }
     for name, (n, lq, m, d, levels, p) in shapes.items():
         for dtype in dtypes:
@@ -364,7 +366,7 @@ def main(argv=None) -> int:
     ap.add_argument("--scalars-constant", action="store_true", help="also compile each kernel with every scalar "
                     "argument a constant, as torch.compile's mutation analysis does in some torch versions")
     ap.add_argument("--preload", action="store_true", help="the gather kernels with a row's point parameters loaded "
-                    "first wherever they fit (options.preload_points=True; attention's default is off)")
+                    "first wherever they fit (options.preload_points=True; the default where they fit 16 columns)")
     ap.add_argument("--json", help="write the records here")
     ap.add_argument("--compare", help="an earlier --json: list the variants whose machine code changed")
     a = ap.parse_args(argv)

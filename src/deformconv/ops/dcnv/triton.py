@@ -50,6 +50,10 @@ TILE = (1024, 4)
 # The backward's: 512 over 4 warps, 4 a thread. Its scatters and channel sums hold more per element than the forward's
 # blend; at half the forward's share a thread it runs more programs an SM (docs/tuning.md).
 BACKWARD_TILE = (512, 4)
+# Sizes the kernels are compiled for any value of: Triton would compile anew for each of them divisible by 16 or not
+# (they index pixels, never a contiguous axis), so that images of varying sizes compile each kernel once
+# (docs/tuning.md: sizes the kernels are compiled for).
+ANY_SIZE = ["H", "W", "HO", "WO"]
 
 
 # --- kernels -------------------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def _accumulate_point(acc, x_ptr, off_ptr, msk_ptr, off_row, msk_row, k, oh, ow,
     return accumulate_point(acc, x_ptr, p00, v00, v01, v10, v11, ly, lx, mk, cc, d_ok, W, C, D, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ANY_SIZE)
 def _dcn_fwd_kernel(
     x_ptr, off_ptr, msk_ptr, out_ptr,          # see the module docstring; out like x's layout, [N, Ho, Wo, C]
     H, W, HO, WO, M, C,                        # M = N·Ho·Wo
@@ -151,7 +155,7 @@ def _dcn_fwd_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ANY_SIZE)
 def _dcn_bwd_kernel(
     x_ptr, off_ptr, msk_ptr, go_ptr,           # go: grad_out [N, Ho, Wo, C]
     gin_ptr,                                   # grad_input accumulator like x: fp32, or int64 if FIXED (NEED_IN)

@@ -39,6 +39,10 @@ from ..common.sampling import accumulate_point, join_columns, point_corners, poi
 # --- configs -------------------------------------------------------------------------------------------
 
 TILE = (256, 2)  # (elements, warps) of a program: 8 queries of 32 channels (docs/tuning.md: point parameters)
+# Sizes the kernels are compiled for any value of: Triton would compile anew for each of them divisible by 16 or not,
+# and they only index queries and pixels (the default kernels' machine code is the same either way), so that inputs
+# of varying sizes compile each kernel once (docs/tuning.md: sizes the kernels are compiled for).
+ANY_SIZE = ["LQ", "S"]
 
 
 def forward_warps(warps: int, dtype: torch.dtype) -> int:
@@ -112,7 +116,7 @@ def _accumulate_point(acc, value_ptr, loc_ptr, attn_ptr, idx, h, w, pix_base, PI
     return accumulate_point(acc, value_ptr, p00, v00, v01, v10, v11, ly, lx, a, cc, d_ok, w, PIX, D, BLOCK_D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ANY_SIZE)
 def _msda_fwd_kernel(
     value_ptr,    # [N, S, M, D]
     shapes_ptr,   # int64 [L, 2]: (H_l, W_l)
@@ -144,7 +148,7 @@ def _msda_fwd_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ANY_SIZE)
 def _msda_bwd_kernel(
     value_ptr, shapes_ptr, starts_ptr, loc_ptr, attn_ptr,
     go_ptr,       # grad_out [N, Lq, M, D]
