@@ -227,6 +227,7 @@ def msda_cases(dtypes):
         "d5-heads2": (2, 40, 2, 5, [(9, 13), (1, 1)], 3),
         "d64": (1, 50, 4, 64, [(10, 12), (5, 6)], 4),
         "sizes-of-16": (2, 64, 8, 32, [(8, 8), (4, 4)], 4),  # rows, queries and pixels all multiples of 16
+        "d128": (1, 30, 2, 128, [(6, 7), (3, 4)], 4),
     }
     for name, (n, lq, m, d, levels, p) in shapes.items():
         for dtype in dtypes:
