@@ -61,6 +61,14 @@ def _float_tensors(out) -> list:
     return []
 
 
+def _random_linear(outputs: list) -> torch.Tensor:
+    """The same random linear function of all outputs on every path: float64 weights from a generator seeded on the
+    outputs' device."""
+    g = torch.Generator(device=outputs[0].device).manual_seed(7)
+    return sum((t.double() * torch.randn(t.shape, generator=g, device=t.device, dtype=torch.float64)).sum()
+               for t in outputs)
+
+
 def _step(model, family: str, batch: int, train: bool):
     """Outputs and every parameter's gradient of a random linear function of all outputs (seeded: dropout and the
     function's weights the same in every run)."""
@@ -68,9 +76,7 @@ def _step(model, family: str, batch: int, train: bool):
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
     outputs = _float_tensors(model(**models.inputs(family, batch)))
-    g = torch.Generator().manual_seed(7)
-    loss = sum((t * torch.randn(t.shape, generator=g, dtype=t.dtype)).sum() for t in outputs)
-    loss.backward()
+    _random_linear(outputs).backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return [t.detach() for t in outputs], grads
 
@@ -255,16 +261,14 @@ GPU_CASES = [("deformable_detr", {}), ("rt_detr", {}), ("rt_detr_v2", {"decoder_
 
 def _gpu_run(model, family: str, dtype: torch.dtype, autocast: bool):
     """Outputs, then None, then every parameter's gradient (float64 copies) of a training step on the GPU: the model
-    in dtype, under bf16 autocast if asked, the same random linear function of all outputs as _step's."""
+    in dtype, under bf16 autocast if asked, differentiating _random_linear as _step does."""
     model.train(True)
     torch.manual_seed(5)
     args = {k: v.cuda().to(dtype) if v.is_floating_point() else v.cuda()
             for k, v in models.inputs(family, 2, torch.float32).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         outputs = _float_tensors(model(**args))
-    g = torch.Generator(device="cuda").manual_seed(7)
-    sum((t.double() * torch.randn(t.shape, generator=g, device="cuda", dtype=torch.float64)).sum()
-        for t in outputs).backward()
+    _random_linear(outputs).backward()
     grads = [p.grad.double() for p in model.parameters() if p.grad is not None]
     return [t.detach().double() for t in outputs] + [None] + grads
 
