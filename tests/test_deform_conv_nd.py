@@ -269,11 +269,16 @@ def test_compile_export_and_fx_see_one_op():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("deterministic, row_programs", [(False, 0), (False, 10**9), (True, 0)],
+                         ids=["atomics-tap-rows", "atomics-a-tap", "deterministic"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_kernels_against_the_reference(name, deterministic, monkeypatch):
+def test_triton_kernels_against_the_reference(name, deterministic, row_programs, monkeypatch):
     """The Triton backend (its kernels in Triton's interpreter): output and all five gradients equal the float64
-    reference within float32's tolerance, in deterministic mode too (int64 fixed-point scatters)."""
+    reference within float32's tolerance, in deterministic mode too (int64 fixed-point scatters), with programs
+    walking a row of taps and a tap each (the launcher's two grids)."""
+    from deformconv.ops.deform_conv_nd import triton as kernels
+
+    monkeypatch.setattr(kernels, "ROW_PROGRAMS", row_programs)
     leaves, call, _ = _case(name, n=2 if "3d" not in name else 1, seed=3)
     torch.use_deterministic_algorithms(deterministic)
     try:

@@ -10,6 +10,7 @@ Triton backends say so in ``not_supported_reasons``, and nothing imports a kerne
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -186,6 +187,26 @@ def mm_fp32(a, b):
     if a.dtype != torch.float32 and a.is_cuda and _MM_OUT_DTYPE:
         return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
+
+
+@contextlib.contextmanager
+def conv_matmul_precision(dtype):
+    """torch.matmul on a convolution's fp32 columns with TF32 exactly where F.conv*d would use it (cudnn.allow_tf32, on
+    by default), as the Triton kernels' dots do (launch.dot_precision): torch.matmul by itself follows
+    cuda.matmul.allow_tf32 (off by default). The flag is set for the products' launch and restored (process-wide,
+    as torch's own flag contexts)."""
+    import torch
+
+    matmul = torch.backends.cuda.matmul
+    want = bool(torch.backends.cudnn.allow_tf32)
+    if dtype != torch.float32 or matmul.allow_tf32 == want:
+        yield
+        return
+    matmul.allow_tf32 = want
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = not want
 
 
 def _mm_has_out_dtype() -> bool:

@@ -25,6 +25,13 @@ CASES = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _no_tf32(monkeypatch):
+    """fp32 at fp32's tolerance: TF32 off, as F.conv3d with cudnn.allow_tf32 = False (the kernels' products follow
+    that flag)."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+
+
 def _case(name, seed=0):
     rank, transposed, n, cin, cout, size, kernel, stride, padding, dilation, out_pad, groups, og = CASES[name]
     gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -83,3 +90,18 @@ def test_deterministic_mode_is_reproducible(name):
         torch.use_deterministic_algorithms(False)
     for a, b in zip(first, second):
         assert torch.equal(a, b)
+
+
+def test_fp32_products_follow_cudnns_tf32_flag(monkeypatch):
+    """With cudnn.allow_tf32 on (PyTorch's default) the fp32 forward's products take TF32 as F.conv3d's do: within
+    TF32's error of float64 and not the full-fp32 result; torch's matmul flag is as it was after the call."""
+    leaves, call = _case("d3dnet-like-3d")
+    want = call(*leaves, backend="reference")
+    ts = [t.float() for t in leaves]
+    full = call(*ts, backend="triton").double()
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", True)
+    before = torch.backends.cuda.matmul.allow_tf32
+    tf32 = call(*ts, backend="triton").double()
+    assert torch.backends.cuda.matmul.allow_tf32 == before
+    err = lambda got: ((got - want).norm() / want.norm()).item()  # noqa: E731
+    assert err(full) < 1e-5 and 1e-5 < err(tf32) < 2e-3, (err(full), err(tf32))

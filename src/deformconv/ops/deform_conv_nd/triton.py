@@ -15,8 +15,11 @@ deform_conv:       columns = sample(x); out = W·columns (per convolution group)
 deform_conv_transpose (the adjoint): columns = Wᵀ·input spread by the gradient kernel's scatter; its backward is
                    deform_conv's with the roles swapped (op.py: _gradients).
 
-A program owns BLOCK_L positions of one (image, offset group, tap) and loops over the group's channels in blocks of
-BLOCK_C; its 2^r corners are computed once for all of them. Accumulation in fp32.
+A program owns BLOCK_L positions of one (image, offset group) and TAPS consecutive taps (a row of the kernel's last
+axis, whose samples lie a pixel apart: the next tap's corners are mostly in the cache; or one tap where the grid would
+otherwise leave the GPU short of programs), and per tap loops over the group's channels in blocks of BLOCK_C; a tap's
+2^r corners are computed once for all of them. Accumulation in fp32; the GEMMs' fp32 products take TF32 where
+F.conv*d would (compat.conv_matmul_precision).
 """
 
 from __future__ import annotations
@@ -29,8 +32,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ...compat import conv_matmul_precision
 from ..common.fixed_point import max_abs, scales_for
-from ..common.launch import ceil_div, next_pow2, on_device_of, run_cached
+from ..common.launch import ceil_div, next_pow2, on_device_of, run_cached, sm_count
 from ..common.sampling import scatter_add
 from .reference import out_size, transposed_size
 
@@ -39,6 +43,7 @@ from .reference import out_size, transposed_size
 BLOCK_L = 64           # positions a program (a row of 64 coalesced column stores a channel)
 MAX_BLOCK_C = 32       # channels a pass of the channel loop
 COLUMN_BUDGET = 1 << 27  # elements of one chunk's columns (256 MiB in fp16)
+ROW_PROGRAMS = 4       # a program walks a row of taps where the grid keeps this many programs an SM (docs/tuning.md)
 
 
 # --- kernels -------------------------------------------------------------------------------------------------------
@@ -118,14 +123,16 @@ def _rows(valid):
 
 
 @triton.jit
-def _program(off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH: tl.constexpr,
-             KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr):
-    """A program's (image n, offset group g, tap k) and positions l (grid: L tiles, N·G·K), their sample points
-    (_points) and mask values (1 without a mask)."""
+def _program(off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH: tl.constexpr,
+             KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr,
+             TAPS: tl.constexpr):
+    """The program's (image n, offset group g) and positions l, and its j-th tap k (grid: L tiles, N·G·K/TAPS), the
+    sample points (_points) and mask values (1 without a mask)."""
     pid = tl.program_id(1)
-    k = pid % K
-    g = (pid // K) % G
-    n = pid // (K * G)
+    runs = K // TAPS
+    k = (pid % runs) * TAPS + j
+    g = (pid // runs) % G
+    n = pid // (runs * G)
     l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
     l_ok = l < L
     ld, lh, lw, fd, fh, fw, inside, nan = _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD,
@@ -142,24 +149,26 @@ def _columns_kernel(
     D, H, W, OH, OW, C, CG, G, K, L,       # sizes (OD follows from L)
     SD, SH, SW, PD, PH, PW, DD, DH, DW,    # stride, padding, dilation per axis
     KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, TAPS: tl.constexpr,
 ):
-    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K)."""
-    n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
-        off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK, BLOCK_L)
-    for c0 in range(0, CG, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        c_ok = cc < CG
-        acc = tl.zeros((BLOCK_L, BLOCK_C), tl.float32)
-        for corner in tl.static_range(1 << RANK):
-            pix, valid, weight, _, _, _ = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
-            v = tl.load(x_ptr + pix[:, None] * C + (g * CG + cc)[None, :], mask=_rows(valid) & c_ok[None, :],
-                        other=0.0).to(tl.float32)
-            acc += weight[:, None] * v
-        acc = tl.where(nan[:, None], float("nan"), acc) * m[:, None]
-        rows = (n * C + g * CG + cc).to(tl.int64) * K + k
-        tl.store(col_ptr + rows[None, :] * L + l[:, None], acc.to(col_ptr.dtype.element_ty),
-                 mask=l_ok[:, None] & c_ok[None, :])
+    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K/TAPS)."""
+    for j in range(TAPS):
+        n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
+            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK,
+            BLOCK_L, TAPS)
+        for c0 in range(0, CG, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            c_ok = cc < CG
+            acc = tl.zeros((BLOCK_L, BLOCK_C), tl.float32)
+            for corner in tl.static_range(1 << RANK):
+                pix, valid, weight, _, _, _ = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
+                v = tl.load(x_ptr + pix[:, None] * C + (g * CG + cc)[None, :], mask=_rows(valid) & c_ok[None, :],
+                            other=0.0).to(tl.float32)
+                acc += weight[:, None] * v
+            acc = tl.where(nan[:, None], float("nan"), acc) * m[:, None]
+            rows = (n * C + g * CG + cc).to(tl.int64) * K + k
+            tl.store(col_ptr + rows[None, :] * L + l[:, None], acc.to(col_ptr.dtype.element_ty),
+                     mask=l_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
@@ -172,53 +181,55 @@ def _columns_grad_kernel(
     SD, SH, SW, PD, PH, PW, DD, DH, DW,
     KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
     NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr, FIXED: tl.constexpr,
-    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, TAPS: tl.constexpr,
 ):
     """grad_input += gcol·mask·weight at each corner; grad_mask = Σ_c gcol·sample; grad_offset along each axis
-    = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (L tiles, N·G·K)."""
-    n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
-        off_ptr, msk_ptr, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK, BLOCK_L)
+    = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (L tiles, N·G·K/TAPS)."""
     scale = 1.0
     if FIXED:
         scale = tl.load(scale_ptr)
-    gm = tl.zeros((BLOCK_L,), tl.float32)
-    gd = gm
-    gh = gm
-    gw = gm
-    for c0 in range(0, CG, BLOCK_C):
-        cc = c0 + tl.arange(0, BLOCK_C)
-        c_ok = cc < CG
-        tile_ok = l_ok[:, None] & c_ok[None, :]
-        rows = (n * C + g * CG + cc).to(tl.int64) * K + k
-        gc = tl.load(gcol_ptr + rows[None, :] * L + l[:, None], mask=tile_ok, other=0.0).to(tl.float32)
-        for corner in tl.static_range(1 << RANK):
-            pix, valid, weight, dd, dh, dw = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
-            ptrs = pix[:, None] * C + (g * CG + cc)[None, :]
-            vm = _rows(valid) & c_ok[None, :]
-            if NEED_OFF or NEED_MSK:
-                v = tl.load(x_ptr + ptrs, mask=vm, other=0.0).to(tl.float32)
-                s = tl.sum(gc * v, axis=1)
-                if NEED_MSK:
-                    gm += weight * s
-                if NEED_OFF:
-                    gw += dw * s
-                    if RANK >= 2:
-                        gh += dh * s
-                    if RANK == 3:
-                        gd += dd * s
-            if NEED_IN:
-                scatter_add(gin_ptr + ptrs, gc * (weight * m)[:, None], vm, scale, FIXED)
-    row = ((n * G + g) * K + k).to(tl.int64)
-    if NEED_MSK:
-        tl.store(gmsk_ptr + row * L + l, tl.where(nan, float("nan"), gm).to(gmsk_ptr.dtype.element_ty), mask=l_ok)
-    if NEED_OFF:
-        gdt = goff_ptr.dtype.element_ty
-        base = goff_ptr + row * (RANK * L) + l
-        tl.store(base + (RANK - 1) * L, (gw * m).to(gdt), mask=l_ok)
-        if RANK >= 2:
-            tl.store(base + (RANK - 2) * L, (gh * m).to(gdt), mask=l_ok)
-        if RANK == 3:
-            tl.store(base, (gd * m).to(gdt), mask=l_ok)
+    for j in range(TAPS):
+        n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
+            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK,
+            BLOCK_L, TAPS)
+        gm = tl.zeros((BLOCK_L,), tl.float32)
+        gd = gm
+        gh = gm
+        gw = gm
+        for c0 in range(0, CG, BLOCK_C):
+            cc = c0 + tl.arange(0, BLOCK_C)
+            c_ok = cc < CG
+            tile_ok = l_ok[:, None] & c_ok[None, :]
+            rows = (n * C + g * CG + cc).to(tl.int64) * K + k
+            gc = tl.load(gcol_ptr + rows[None, :] * L + l[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            for corner in tl.static_range(1 << RANK):
+                pix, valid, weight, dd, dh, dw = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
+                ptrs = pix[:, None] * C + (g * CG + cc)[None, :]
+                vm = _rows(valid) & c_ok[None, :]
+                if NEED_OFF or NEED_MSK:
+                    v = tl.load(x_ptr + ptrs, mask=vm, other=0.0).to(tl.float32)
+                    s = tl.sum(gc * v, axis=1)
+                    if NEED_MSK:
+                        gm += weight * s
+                    if NEED_OFF:
+                        gw += dw * s
+                        if RANK >= 2:
+                            gh += dh * s
+                        if RANK == 3:
+                            gd += dd * s
+                if NEED_IN:
+                    scatter_add(gin_ptr + ptrs, gc * (weight * m)[:, None], vm, scale, FIXED)
+        row = ((n * G + g) * K + k).to(tl.int64)
+        if NEED_MSK:
+            tl.store(gmsk_ptr + row * L + l, tl.where(nan, float("nan"), gm).to(gmsk_ptr.dtype.element_ty), mask=l_ok)
+        if NEED_OFF:
+            gdt = goff_ptr.dtype.element_ty
+            base = goff_ptr + row * (RANK * L) + l
+            tl.store(base + (RANK - 1) * L, (gw * m).to(gdt), mask=l_ok)
+            if RANK >= 2:
+                tl.store(base + (RANK - 2) * L, (gh * m).to(gdt), mask=l_ok)
+            if RANK == 3:
+                tl.store(base, (gd * m).to(gdt), mask=l_ok)
 
 
 # --- launchers -----------------------------------------------------------------------------------------------------
@@ -241,12 +252,16 @@ class _Geometry:
         _, OH, OW = _three(positions, 1)
         self.args = (D, H, W, OH, OW, channels, channels // offset_groups, offset_groups, self.K, self.L,
                      *_three(stride, 1), *_three(padding, 0), *_three(dilation, 1))
-        kh, kw = _three(kernel, 1)[1:]
-        self.meta = dict(KH=kh, KW=kw, RANK=self.rank, BLOCK_L=BLOCK_L,
+        kh, self.kw = _three(kernel, 1)[1:]
+        self.meta = dict(KH=kh, KW=self.kw, RANK=self.rank, BLOCK_L=BLOCK_L,
                          BLOCK_C=max(2, min(MAX_BLOCK_C, next_pow2(channels // offset_groups))))
 
-    def grid(self, n: int) -> tuple:
-        return (ceil_div(self.L, BLOCK_L), n * self.G * self.K)
+    def launch(self, n: int, device: torch.device) -> Tuple[tuple, dict]:
+        """(grid, meta) of the kernels for n images: a program walks a row of the kernel's last axis where the grid
+        still has ROW_PROGRAMS programs an SM, else one tap."""
+        tiles, rows = ceil_div(self.L, BLOCK_L), n * self.G * (self.K // self.kw)
+        taps = self.kw if tiles * rows >= ROW_PROGRAMS * sm_count(device) else 1
+        return (tiles, rows * self.kw // taps), dict(self.meta, TAPS=taps)
 
 
 def _channels_last(t: Tensor) -> Tensor:
@@ -256,8 +271,9 @@ def _channels_last(t: Tensor) -> Tensor:
 def _columns(x_cl: Tensor, offset: Tensor, mask: Optional[Tensor], geo: _Geometry, dtype: torch.dtype) -> Tensor:
     n = x_cl.shape[0]
     cols = torch.empty((n, geo.C, geo.K, geo.L), dtype=dtype, device=x_cl.device)
-    run_cached(_columns_kernel, geo.grid(n), [x_cl, offset, mask if mask is not None else offset, cols], geo.args,
-               dict(geo.meta, HAS_MASK=mask is not None))
+    grid, meta = geo.launch(n, x_cl.device)
+    run_cached(_columns_kernel, grid, [x_cl, offset, mask if mask is not None else offset, cols], geo.args,
+               dict(meta, HAS_MASK=mask is not None))
     return cols
 
 
@@ -276,11 +292,12 @@ def _columns_grad(x_cl: Optional[Tensor], offset: Tensor, mask: Optional[Tensor]
     goff = torch.empty_like(offset) if need_off else None
     gmsk = torch.empty_like(mask) if need_mask else None
     x = x_cl if x_cl is not None else gcols
-    run_cached(_columns_grad_kernel, geo.grid(n),
+    grid, meta = geo.launch(n, dev)
+    run_cached(_columns_grad_kernel, grid,
                [x, offset, mask if mask is not None else offset, gcols, gin if gin is not None else gcols,
                 goff if goff is not None else offset, gmsk if gmsk is not None else offset,
                 scales[0] if fixed else offset],
-               geo.args, dict(geo.meta, HAS_MASK=mask is not None, NEED_IN=need_in, NEED_OFF=need_off,
+               geo.args, dict(meta, HAS_MASK=mask is not None, NEED_IN=need_in, NEED_OFF=need_off,
                               NEED_MSK=need_mask, FIXED=fixed))
     if gin is not None and fixed:
         gin = gin.double() * scales[1].double()
@@ -306,7 +323,7 @@ def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Te
     w = weight.to(input.dtype).reshape(groups, cout // groups, -1)
     out = torch.empty((N, cout, *positions), dtype=input.dtype, device=input.device)
     step = _chunk(cin * geo.K * geo.L)
-    with on_device_of(input):
+    with on_device_of(input), conv_matmul_precision(input.dtype):
         for s in range(0, N, step):
             e = min(N, s + step)
             cols = _columns(x_cl[s:e], offset[s:e], None if mask is None else mask[s:e], geo, input.dtype)
@@ -339,7 +356,7 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     grad_w = torch.zeros((groups, cout // groups, w.shape[-1]), dtype=torch.float32, device=input.device) \
         if need_w else None
     step = _chunk(cin * geo.K * geo.L)
-    with on_device_of(input):
+    with on_device_of(input), conv_matmul_precision(dtype):
         for s in range(0, N, step):
             e = min(N, s + step)
             m = None if mask is None else mask[s:e]
@@ -376,7 +393,7 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
     u = input.reshape(N, groups, cin // groups, geo.L)
     out = torch.empty((N, *image, cout), dtype=input.dtype, device=input.device)
     step = _chunk(cout * geo.K * geo.L)
-    with on_device_of(input):
+    with on_device_of(input), conv_matmul_precision(input.dtype):
         for s in range(0, N, step):
             e = min(N, s + step)
             gcols = torch.matmul(w.transpose(1, 2), u[s:e]).view(e - s, cout, geo.K, geo.L)
