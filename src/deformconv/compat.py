@@ -189,24 +189,57 @@ def mm_fp32(a, b):
     return torch.mm(a.float(), b.float())
 
 
-@contextlib.contextmanager
-def conv_matmul_precision(dtype):
-    """torch.matmul on a convolution's fp32 columns with TF32 exactly where F.conv*d would use it (cudnn.allow_tf32, on
-    by default), as the Triton kernels' dots do (launch.dot_precision): torch.matmul by itself follows
-    cuda.matmul.allow_tf32 (off by default). The flag is set for the products' launch and restored (process-wide,
-    as torch's own flag contexts)."""
+def _precision(*settings: str) -> str:
+    """The first of torch's fp32_precision settings, most specific first, that is set ("none": inherit the next)."""
+    for p in settings:
+        if p != "none":
+            return p
+    return "none"
+
+
+def conv_tf32() -> bool:
+    """Whether F.conv*d takes TF32 for fp32 inputs, as set through either of torch's APIs: the legacy
+    ``torch.backends.cudnn.allow_tf32`` (on by default) or, since torch 2.9, ``fp32_precision`` (the convolutions',
+    else cuDNN's, else the global setting). Once the newer API has been used torch refuses to read the legacy flag, so
+    it is read only where torch allows."""
     import torch
 
-    matmul = torch.backends.cuda.matmul
-    want = bool(torch.backends.cudnn.allow_tf32)
-    if dtype != torch.float32 or matmul.allow_tf32 == want:
+    cudnn = torch.backends.cudnn
+    try:
+        return bool(cudnn.allow_tf32)
+    except RuntimeError:  # "mix of the legacy and new APIs"
+        return _precision(cudnn.conv.fp32_precision, cudnn.fp32_precision, torch.backends.fp32_precision) != "ieee"
+
+
+@contextlib.contextmanager
+def conv_matmul_precision(dtype):
+    """torch.matmul on a convolution's fp32 columns with TF32 exactly where F.conv*d would use it (conv_tf32), as
+    the Triton kernels' dots do (launch.dot_precision): torch.matmul by itself follows the matmul setting (off by
+    default). The setting is changed for the products' launch and restored (process-wide, as torch's own flag
+    contexts), through the API torch accepts in its state: the legacy ``cuda.matmul.allow_tf32`` unless the user
+    has set ``fp32_precision``, else that."""
+    import torch
+
+    if dtype != torch.float32:
         yield
         return
-    matmul.allow_tf32 = want
+    want = conv_tf32()
+    matmul = torch.backends.cuda.matmul
+    try:
+        have = bool(matmul.allow_tf32)
+        name, set_to, restore = "allow_tf32", want, have
+    except RuntimeError:  # "mix of the legacy and new APIs": the user set fp32_precision
+        old = matmul.fp32_precision
+        have = _precision(old, torch.backends.fp32_precision) == "tf32"
+        name, set_to, restore = "fp32_precision", "tf32" if want else "ieee", old
+    if have == want:
+        yield
+        return
+    setattr(matmul, name, set_to)
     try:
         yield
     finally:
-        matmul.allow_tf32 = not want
+        setattr(matmul, name, restore)
 
 
 def _mm_has_out_dtype() -> bool:

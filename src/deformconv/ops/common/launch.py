@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from ... import config
-from ...compat import TensorDescriptor, direct_launcher, launch_hooks_set
+from ...compat import TensorDescriptor, conv_tf32, direct_launcher, launch_hooks_set
 from ...config import options
 
 
@@ -101,8 +101,8 @@ def sm_count(device: torch.device) -> int:
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs use TF32 exactly where F.conv2d would (cudnn.allow_tf32), else full fp32."""
-    if dtype == torch.float32 and not torch.backends.cudnn.allow_tf32:
+    """fp32 inputs use TF32 exactly where F.conv2d would (compat.conv_tf32), else full fp32."""
+    if dtype == torch.float32 and not conv_tf32():
         return "ieee"
     return "tf32"
 

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ... import config
 from ...checks import check_deform_conv2d_args, suggest_memory_format
+from ...compat import conv_tf32
 from ..common import dispatch
 from ..common.autocast import autocast_inputs
 from ..common.eager import autocasting, fast_path_ok, needs_grad, once_differentiable, run_planned, without_autocast
@@ -104,13 +105,13 @@ def _planned(tensors: list, stride, padding, dilation, backend: Optional[str], n
              ) -> Optional[Tensor]:
     """The call through its signature's Call of the Triton kernels (triton/call.py; common/eager.run_planned), or
     None where it takes the general path: eager.run_planned says when; also arguments of other types, an empty batch,
-    another backend. The signature holds the settings the plans depend on (cudnn's TF32 switch, DEFORMCONV_AUTOTUNE,
+    another backend. The signature holds the settings the plans depend on (cuDNN's TF32 setting, DEFORMCONV_AUTOTUNE,
     DEFORMCONV_BACKEND); the backward's are looked up by the Call. n_off: a modulated layer's call
     (modulated_from_offset_conv), tensors (input, out, weight, bias)."""
     geometry = (_geometry_arg(stride), _geometry_arg(padding), _geometry_arg(dilation))
     if None in geometry or (backend is not None and type(backend) is not str):
         return None
-    extras = (geometry, backend, n_off, torch.backends.cudnn.allow_tf32, config.autotune(), config.backend())
+    extras = (geometry, backend, n_off, conv_tf32(), config.autotune(), config.backend())
     cast = _autocast if n_off is None else _autocast_modulated
     return run_planned("dcn_eager", tensors, extras,
                        lambda t: _new_call(t, stride, padding, dilation, backend, n_off),

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .... import config
 from ....checks import ConvGeometry
-from ....compat import codegen_profile
+from ....compat import codegen_profile, conv_tf32
 from ....config import options
 from ...common.launch import ceil_div, next_pow2, pointer_specs
 from ...common.sampling import MASK_LOGITS, MASK_VALUES
@@ -147,7 +147,7 @@ def tuning_class(kind: str, geo: ConvGeometry, dtype: torch.dtype, seg: int, has
     """Tuning cache key: what changes the best config (channels, kernel, segment, dtype, M magnitude)."""
     m = geo.batch * geo.out_h * geo.out_w
     return (kind, dtype, geo.in_channels // geo.groups, geo.out_channels // geo.groups, seg, geo.kernel_h,
-            geo.kernel_w, has_mask, next_pow2(m), torch.backends.cudnn.allow_tf32)
+            geo.kernel_w, has_mask, next_pow2(m), conv_tf32())
 
 
 def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding,
@@ -156,5 +156,5 @@ def plan_key(kind: str, input: Tensor, offset: Tensor, weight: Tensor, mask: Opt
     specialises a kernel on each pointer's dtype and 16-byte alignment, so those are part of it (the weight's dtype
     too: the grad_weight kernel can store into a tensor of it)."""
     return (kind, input.shape, input.stride(), input.dtype, input.device, offset.shape, weight.shape, weight.dtype,
-            mask is None, tuple(stride), tuple(padding), tuple(dilation), torch.backends.cudnn.allow_tf32,
+            mask is None, tuple(stride), tuple(padding), tuple(dilation), conv_tf32(),
             config.autotune(), pointer_specs(pointers), *extra)
