@@ -194,12 +194,24 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_input_raises_naming_the_argument(case):
+    """Right after a good call too: the checks a signature passed are skipped for its later calls only."""
     (x, offset, weight, bias, mask), _, _ = _case("conv3d-mixed", n=1)
     args = dict(input=x, offset=offset, weight=weight, bias=bias, stride=(1, 2, 1), padding=(1, 0, 1),
                 dilation=(1, 1, 2), mask=mask, backend=None)
+    deformconv.deform_conv3d(**args)
     change, exc, message = BAD[case]
     with pytest.raises(exc, match=message):
         deformconv.deform_conv3d(**change(args))
+
+
+def test_mixed_dtypes_pass_under_autocast_only():
+    """A call of mixed dtypes that passed under autocast still raises outside it (autocast is part of the key of the
+    checks' cache)."""
+    (x, offset, weight, bias, mask), _, _ = _case("conv1d-k4", n=1, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        deformconv.deform_conv1d(x, offset, weight.bfloat16(), bias, 1, 2, 1, mask)
+    with pytest.raises(TypeError, match="weight must have the same dtype as input"):
+        deformconv.deform_conv1d(x, offset, weight.bfloat16(), bias, 1, 2, 1, mask)
 
 
 def test_transposed_checks():

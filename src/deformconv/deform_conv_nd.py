@@ -12,7 +12,7 @@ import torch
 import torch.fx
 from torch import Tensor, nn
 
-from .checks import _check_tensor, int_at_least, ntuple
+from .checks import _check_tensor, check_once, int_at_least, ntuple
 from .ops.common import dispatch
 from .ops.common.eager import autocasting, run_eager
 from .ops.deform_conv_nd import op as _op
@@ -29,9 +29,9 @@ def _tensor(t, name: str, rank: int) -> Tensor:
 
 
 def _check(name: str, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups
-           ) -> Tuple[list, list, list, list, int]:
+           ) -> Tuple[tuple, tuple, tuple, tuple, int]:
     """The N-d forms' argument checks (bad input raises, naming the argument): stride, padding, dilation,
-    output_padding as lists and the convolution groups."""
+    output_padding as tuples and the convolution groups (check_once keeps them for the signature's later calls)."""
     rank, transposed = _op.FORMS[name]
     input, weight = _tensor(input, "input", rank), _tensor(weight, "weight", rank)
     stride, dilation = ntuple(stride, "stride", rank, 1), ntuple(dilation, "dilation", rank, 1)
@@ -91,13 +91,25 @@ def _check(name: str, input, offset, weight, bias, mask, stride, padding, dilati
             raise TypeError(f"{tname} must be a floating-point tensor, got dtype {t.dtype}")
         if t.dtype != input.dtype and not mixed:
             raise TypeError(f"{tname} must have the same dtype as input ({input.dtype}), got {t.dtype}")
-    return list(stride), list(padding), list(dilation), list(output_padding), groups
+    return tuple(stride), tuple(padding), tuple(dilation), tuple(output_padding), groups
+
+
+def _plain(value):
+    """A setting as check_once keys it: a tuple or list of ints as a string of its type and items (a plain value
+    that tells (1, 2) from [1, 2] and from 1), anything else as it is (an int is plain; other types: checked)."""
+    if type(value) in (tuple, list) and all(type(v) is int for v in value):
+        return f"{type(value).__name__}{tuple(value)}"
+    return value
 
 
 def _call(name: str, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups,
           backend: Optional[str]) -> Tensor:
-    params = _check(name, input, offset, weight, bias, mask, stride, padding, dilation, output_padding, groups)
-    args = (input, offset, weight, bias, mask, *params, dispatch.backend_argument(name, backend))
+    params = check_once(name, (input, offset, weight, bias, mask),
+                        lambda: _check(name, input, offset, weight, bias, mask, stride, padding, dilation,
+                                       output_padding, groups),
+                        (*map(_plain, (stride, padding, dilation, output_padding)), groups, autocasting(input)))
+    args = (input, offset, weight, bias, mask, *map(list, params[:4]), params[4],
+            dispatch.backend_argument(name, backend))
     if not torch.jit.is_tracing():
         _, forward, backward = _op.OPS[name]
         out = run_eager(forward, backward, (0, 1, 2, 3, 4), args)
