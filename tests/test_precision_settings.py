@@ -65,3 +65,31 @@ def test_ops_run_and_read_cudnns_tf32_setting_in_every_api_state(state):
     assert got["after"] == got["before"], got  # the matmul setting restored, through the API torch accepts
     on = got["inside"][1] in (True, "tf32")
     assert on is tf32, got  # inside: the matmul takes TF32 exactly where the convolution would
+
+
+GPU_SCRIPT = """
+import json, torch
+{state}
+import deformconv
+
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(2, 64, 19, 23, device="cuda", generator=g)
+off = torch.randn(2, 18, 19, 23, device="cuda", generator=g)
+w = torch.randn(64, 64, 3, 3, device="cuda", generator=g) / 24
+want = deformconv.deform_conv2d(x.double(), off.double(), w.double(), padding=1, backend="reference")
+got = deformconv.deform_conv2d(x, off, w, padding=1, backend="triton").double()
+print(json.dumps(dict(err=((got - want).norm() / want.norm()).item())))
+"""
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("state", ["legacy-off", "global-ieee", "global-ieee-conv-tf32"])
+def test_the_gpu_kernels_follow_the_setting(state):
+    """fp32 on the GPU: full fp32 (within 1e-5 of float64) where the setting says ieee, TF32's error where tf32."""
+    statements, tf32 = STATES[state]
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(GPU_SCRIPT).format(state=statements)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    err = json.loads(proc.stdout.strip().splitlines()[-1])["err"]
+    assert (1e-5 < err < 5e-3) if tf32 else err < 1e-5, (state, err)
