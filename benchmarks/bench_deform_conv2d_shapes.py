@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
+
+from deformconv.benchmark import time_ms
 
 # name: (N, Cin, Cout, H, W, k, stride, dilation, groups, offset groups, mask)
 SHAPES = {
@@ -69,16 +69,6 @@ def _calls(settings):
     }
 
 
-def _cpu_ms(fn, reps=3):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -120,7 +110,9 @@ def main(argv=None):
                         return torch.autograd.grad(fn(*args), need, gout)
 
                     if device == "cpu":
-                        rec[f"{impl}_fwd_ms"], rec[f"{impl}_fb_ms"] = _cpu_ms(fwd), _cpu_ms(fb)
+                        cpu = torch.device("cpu")
+                        rec[f"{impl}_fwd_ms"], rec[f"{impl}_fb_ms"] = time_ms(fwd, cpu, cpu_reps=3), time_ms(fb, cpu,
+                                                                                                         cpu_reps=3)
                         continue
                     rec[f"{impl}_fwd_ms"] = do_bench(fwd, return_mode="median")
                     rec[f"{impl}_fb_ms"] = do_bench(fb, return_mode="median")

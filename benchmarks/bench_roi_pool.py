@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 
@@ -36,21 +35,11 @@ def _inputs(level, dtype, device, rois_per_image=512, channels=256, images=2):
     return x, rois, offset, scale
 
 
-def _wall_ms(fn, reps=10):
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def main(argv=None):
     import torchvision
 
     import deformconv
-    from deformconv.benchmark import environment, write_results
+    from deformconv.benchmark import environment, time_ms, write_results
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "float16", "bfloat16"])
@@ -80,8 +69,8 @@ def main(argv=None):
                             fn().backward(gout)
 
                         if device.type == "cpu":
-                            row[f"{name}_fwd_ms"] = _wall_ms(fn)
-                            row[f"{name}_fb_ms"] = _wall_ms(step)
+                            row[f"{name}_fwd_ms"] = time_ms(fn, device, cpu_reps=10)
+                            row[f"{name}_fb_ms"] = time_ms(step, device, cpu_reps=10)
                             continue
                         from triton.testing import do_bench, do_bench_cudagraph
 
