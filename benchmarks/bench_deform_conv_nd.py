@@ -5,10 +5,12 @@ F.conv3d / conv1d / conv_transpose*d of the same shape, channels as given) and t
 
 Loads (issue #66): a D3Dnet-like video layer (2×64→64, 7×64×64, 3×3×3), a 3D U-Net block (1×32→32, 64³, 3×3×3),
 a 1D sequence layer (8×256→256, 1024, k 5) and a 3D decoder's transposed layer (1×64→32, 32³ → 64³, k 4, stride 2).
-Offsets normal × 2 voxels, a mask uniform in (0, 1). Forward and forward+backward (every gradient), `do_bench`
-medians of eager calls and `do_bench_cudagraph` medians of CUDA-graph replays; the extra peak memory of one
-forward+backward. tvdcn (inspiros/tvdcn, built from its sources on the machine: `pip install --no-build-isolation .`
-with a CUDA toolkit) joins as the `tvdcn` row where `import tvdcn` works; it computes in fp32 and fp64 only.
+Offsets normal × 2 voxels, a mask uniform in (0, 1). Forward and forward+backward (every gradient), `do_bench` medians
+of eager calls and `do_bench_cudagraph` medians of CUDA-graph replays; the extra peak memory of one forward+backward;
+ours split by kernel kind (torch.profiler: sampling, its gradient, GEMMs, the rest) and timed without the input's
+gradient (its scatter's share). tvdcn (inspiros/tvdcn, built from its sources on the machine: `pip install
+--no-build-isolation .` with a CUDA toolkit) joins as the `tvdcn` row where `import tvdcn` works; it computes in fp32
+and fp64 only.
 """
 
 from __future__ import annotations
@@ -78,6 +80,28 @@ def _calls(load):
     return calls
 
 
+def _phases(fb) -> dict:
+    """GPU time (ms) of one forward+backward by kernel kind, from torch.profiler: the sampling kernel, its gradient's,
+    the GEMMs (cuBLAS), the rest (copies, fills, casts, the bias)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fb()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fb()
+        torch.cuda.synchronize()
+    phases = dict(sampling=0.0, sampling_grad=0.0, gemm=0.0, other=0.0)
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        low = e.name.lower()
+        kind = ("sampling_grad" if low.startswith("_columns_grad_kernel") else "sampling"
+                if low.startswith("_columns_kernel") else "gemm"
+                if any(k in low for k in ("gemm", "sm90", "xmma", "cutlass", "splitk")) else "other")
+        phases[kind] += e.device_time / 1e3
+    return {k: round(v, 4) for k, v in phases.items()}
+
+
 def main(argv=None):
     from triton.testing import do_bench, do_bench_cudagraph
 
@@ -99,6 +123,7 @@ def main(argv=None):
                 try:
                     out = fn(*leaves)
                     gout = torch.randn_like(out)
+                    del out  # a live autograd graph would tie a captured backward to the default stream
 
                     def fb():
                         return torch.autograd.grad(fn(*leaves), leaves if name != "dense" else
@@ -107,6 +132,15 @@ def main(argv=None):
                     row["fwd_ms"] = do_bench(lambda: fn(*leaves), return_mode="median")
                     row["fb_ms"] = do_bench(fb, return_mode="median")
                     row["fwd_graph_ms"] = do_bench_cudagraph(lambda: fn(*leaves), return_mode="median")
+                    row["fb_graph_ms"] = do_bench_cudagraph(fb, return_mode="median")
+                    if name == "deformconv":
+                        row["fb_phases_ms"] = _phases(fb)
+                        rest = [t for i, t in enumerate(leaves) if i != 0]  # the input's gradient's share: without it
+
+                        def fb_no_input(rest=rest):
+                            return torch.autograd.grad(fn(leaves[0].detach(), *rest), rest, gout)
+
+                        row["fb_no_input_grad_graph_ms"] = do_bench_cudagraph(fb_no_input, return_mode="median")
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     base = torch.cuda.memory_allocated()
@@ -117,10 +151,10 @@ def main(argv=None):
                     row["error"] = f"{type(e).__name__}: {e}"[:200]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-    print("\n| load | dtype | impl | fwd ms | fwd graph ms | fwd+bwd ms | extra peak MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| load | dtype | impl | fwd ms | fwd graph ms | fwd+bwd ms | fwd+bwd graph ms | extra peak MiB |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        cells = [f"{r[k]:.3f}" if k in r else "-" for k in ("fwd_ms", "fwd_graph_ms", "fb_ms")]
+        cells = [f"{r[k]:.3f}" if k in r else "-" for k in ("fwd_ms", "fwd_graph_ms", "fb_ms", "fb_graph_ms")]
         print(f"| {r['load']} | {r['dtype']} | {r['impl']} | " + " | ".join(cells)
               + f" | {r.get('fb_extra_peak_mib', float('nan')):.0f} |" + (f" {r['error']}" if "error" in r else ""))
     if args.out:

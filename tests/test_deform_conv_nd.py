@@ -281,16 +281,23 @@ def test_compile_export_and_fx_see_one_op():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("deterministic, row_programs", [(False, 0), (False, 10**9), (True, 0)],
-                         ids=["atomics-tap-rows", "atomics-a-tap", "deterministic"])
+@pytest.mark.parametrize("deterministic, row_programs, runs",
+                         [(False, 0, False), (False, 10**9, False), (True, 0, False), (False, 0, True),
+                          (True, 0, True)],
+                         ids=["atomics-tap-rows", "atomics-a-tap", "deterministic", "position-runs",
+                              "deterministic-position-runs"])
 @pytest.mark.parametrize("name", list(CASES))
-def test_triton_kernels_against_the_reference(name, deterministic, row_programs, monkeypatch):
+def test_triton_kernels_against_the_reference(name, deterministic, row_programs, runs, monkeypatch):
     """The Triton backend (its kernels in Triton's interpreter): output and all five gradients equal the float64
     reference within float32's tolerance, in deterministic mode too (int64 fixed-point scatters), with programs
-    walking a row of taps and a tap each (the launcher's two grids)."""
+    walking a row of taps and a tap each (the launcher's two grids), and with an image's columns in runs of 4
+    positions (the chunks of an image too large for the column budget; grad_input summed over the runs)."""
     from deformconv.ops.deform_conv_nd import triton as kernels
 
     monkeypatch.setattr(kernels, "ROW_PROGRAMS", row_programs)
+    if runs:
+        monkeypatch.setattr(kernels, "BLOCK_L", 4)
+        monkeypatch.setattr(kernels, "COLUMN_BUDGET", 1)
     leaves, call, _ = _case(name, n=2 if "3d" not in name else 1, seed=3)
     torch.use_deterministic_algorithms(deterministic)
     try:

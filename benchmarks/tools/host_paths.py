@@ -3,7 +3,8 @@ Triton kernels' launches stubbed out (Launch.__call__ does nothing), so that wha
 argument checks, fast-path tests, plan lookups, allocations, the autograd node. The kernels run under Triton's
 interpreter on CPU tensors (TRITON_INTERPRET=1, set here), never launched; outputs are garbage and not read.
 
-    python benchmarks/tools/host_paths.py [--calls 300] [--ops deform_conv2d dcnv3 dcnv4 ms_deform_attn]
+    python benchmarks/tools/host_paths.py [--calls 300] [--ops deform_conv2d dcnv3 dcnv4 ms_deform_attn deform_conv1d
+                                                             deform_conv3d]
 
 Rows: forward without grad, forward with grad, forward+backward (leaves' .grad reset to None each step, as a
 training loop's zero_grad leaves them), each the median of 7 loops. A GPU host adds the launches and the CUDA
@@ -59,6 +60,14 @@ def _loads():
     loc, attn = torch.rand(2, 300, 8, 4, 4, 2, generator=g), torch.rand(2, 300, 8, 4, 4, generator=g)
     yield "ms_deform_attn", lambda: deformconv.ms_deform_attn(value, shapes, starts, loc, attn, backend="triton"), \
         [value, loc, attn]
+    x1, w1, b1 = torch.randn(2, 16, 32, generator=g), torch.randn(16, 16, 3, generator=g), torch.randn(16, generator=g)
+    o1, m1 = torch.randn(2, 3, 32, generator=g), torch.rand(2, 3, 32, generator=g)
+    yield "deform_conv1d", lambda: deformconv.deform_conv1d(x1, o1, w1, b1, padding=1, mask=m1, backend="triton"), \
+        [x1, o1, w1, b1, m1]
+    x3, w3 = torch.randn(1, 8, 4, 6, 6, generator=g), torch.randn(8, 8, 3, 3, 3, generator=g)
+    o3d, m3d = torch.randn(1, 81, 4, 6, 6, generator=g), torch.rand(1, 27, 4, 6, 6, generator=g)
+    yield "deform_conv3d", lambda: deformconv.deform_conv3d(x3, o3d, w3, None, padding=1, mask=m3d,
+                                                            backend="triton"), [x3, o3d, w3, m3d]
 
 
 def main(argv=None):
@@ -67,7 +76,8 @@ def main(argv=None):
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=300)
-    ap.add_argument("--ops", nargs="+", default=["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn"])
+    ap.add_argument("--ops", nargs="+", default=["deform_conv2d", "dcnv3", "dcnv4", "ms_deform_attn", "deform_conv1d",
+                                                 "deform_conv3d"])
     args = ap.parse_args(argv)
     launch.Launch.__call__ = lambda self, *tensors: None  # the Python around the launches only
     options.layout_kernels_on_cpu = True  # layout copies through their (stubbed) kernels, as on a GPU

@@ -105,3 +105,47 @@ def test_fp32_products_follow_cudnns_tf32_flag(monkeypatch):
     assert torch.backends.cuda.matmul.allow_tf32 == before
     err = lambda got: ((got - want).norm() / want.norm()).item()  # noqa: E731
     assert err(full) < 1e-5 and 1e-5 < err(tf32) < 2e-3, (err(full), err(tf32))
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", ["d3dnet-like-3d", "transpose3d"])
+def test_columns_in_runs_of_positions(name, deterministic, monkeypatch):
+    """An image whose columns exceed the column budget goes in runs of its positions (64 each here):
+    output and every gradient still equal the float64 reference, grad_input summed over the runs."""
+    from deformconv.ops.deform_conv_nd import triton as kernels
+
+    monkeypatch.setattr(kernels, "COLUMN_BUDGET", 8 * 27 * 64)
+    leaves, call = _case(name, seed=5)
+    gout = torch.randn_like(call(*leaves, backend="reference"))
+    ref = _run(call, leaves, "reference", torch.float64, gout)
+    torch.use_deterministic_algorithms(deterministic)
+    try:
+        ours = _run(call, leaves, "triton", torch.float32, gout)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for what, a, b in zip(("output", "input", "offset", "weight", "bias", "mask"), ours, ref):
+        assert torch.isfinite(a).all(), what
+        assert_close(a, b, torch.float32, what)
+
+
+def test_peak_memory_keeps_to_the_column_budget():
+    """A 3D layer whose whole fp32 columns take 221 MB (32 channels × 27 taps × 40³ positions): its forward and
+    backward allocate at most the budget's columns (64 MiB) and their gradient beside the tensors they return."""
+    from deformconv.ops.deform_conv_nd import triton as kernels
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    x = torch.randn(1, 32, 40, 40, 40, device="cuda", generator=gen, requires_grad=True)
+    offset = (torch.randn(1, 81, 40, 40, 40, device="cuda", generator=gen) * 2).requires_grad_()
+    mask = torch.rand(1, 27, 40, 40, 40, device="cuda", generator=gen).requires_grad_()
+    weight = (torch.randn(32, 32, 3, 3, 3, device="cuda", generator=gen) / 30).requires_grad_()
+    budget = kernels.COLUMN_BUDGET * 4
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = deformconv.deform_conv3d(x, offset, weight, None, 1, 1, 1, mask, backend="triton")
+    gout = torch.ones_like(out)
+    grads = torch.autograd.grad(out, (x, offset, weight, mask), gout)
+    returned = out.nbytes + gout.nbytes + sum(g.nbytes for g in grads)
+    inputs = x.nbytes + offset.nbytes + mask.nbytes  # the kernels' channels-last and contiguous copies at most
+    extra = torch.cuda.max_memory_allocated() - base - returned
+    assert extra <= 2 * budget + inputs, (extra / 2**20, budget / 2**20, inputs / 2**20)

@@ -6,7 +6,8 @@ positions, G offset groups of CG channels, C = G·CG):
     x        [N, D, H, W, C]   channels-last copy of the sampled tensor (one read of CG contiguous channels a corner)
     offset   [N, G, K, r, L]   the op's layout
     mask     [N, G, K, L]
-    columns  [N, C, K, L]      the sampled values times the mask: rows c·K + k, the layout the weight multiplies
+    columns  [n, C, K, LC]     a chunk's sampled values times the mask: rows c·K + k, the layout the weight
+                               multiplies; LC positions L0 ≤ l < LE of n images (see Memory)
 
 deform_conv:       columns = sample(x); out = W·columns (per convolution group).
                    backward: grad_columns = Wᵀ·grad_out; the gradient kernel spreads grad_columns·mask over the
@@ -20,12 +21,17 @@ axis, whose samples lie a pixel apart: the next tap's corners are mostly in the 
 otherwise leave the GPU short of programs), and per tap loops over the group's channels in blocks of BLOCK_C; a tap's
 2^r corners are computed once for all of them. Accumulation in fp32; the GEMMs' fp32 products take TF32 where
 F.conv*d would (compat.conv_matmul_precision).
+
+Memory: the columns go in chunks of at most COLUMN_BUDGET elements: several images where one image's columns fit,
+else an image's positions in runs (a 3D U-Net block's fp32 columns are 905 MB whole). grad_input then accumulates over
+an image's runs: fp32 atomics into one buffer, or in deterministic mode each run's int64 fixed-point sum added in
+float64 in run order.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -42,7 +48,7 @@ from .reference import out_size, transposed_size
 
 BLOCK_L = 64           # positions a program (a row of 64 coalesced column stores a channel)
 MAX_BLOCK_C = 32       # channels a pass of the channel loop
-COLUMN_BUDGET = 1 << 27  # elements of one chunk's columns (256 MiB in fp16)
+COLUMN_BUDGET = 1 << 24  # elements of one chunk's columns (64 MiB in fp32): peak memory near the dense conv's
 ROW_PROGRAMS = 4       # a program walks a row of taps where the grid keeps this many programs an SM (docs/tuning.md)
 
 
@@ -123,18 +129,18 @@ def _rows(valid):
 
 
 @triton.jit
-def _program(off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH: tl.constexpr,
-             KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr,
+def _program(off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, L0, LE, SD, SH, SW, PD, PH, PW, DD, DH, DW,
+             KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr, BLOCK_L: tl.constexpr,
              TAPS: tl.constexpr):
-    """The program's (image n, offset group g) and positions l, and its j-th tap k (grid: L tiles, N·G·K/TAPS), the
-    sample points (_points) and mask values (1 without a mask)."""
+    """The program's (image n, offset group g) and positions L0 ≤ l < LE, and its j-th tap k (grid: the chunk's
+    position tiles, n·G·K/TAPS), the sample points (_points) and mask values (1 without a mask)."""
     pid = tl.program_id(1)
     runs = K // TAPS
     k = (pid % runs) * TAPS + j
     g = (pid // runs) % G
     n = pid // (runs * G)
-    l = tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
-    l_ok = l < L
+    l = L0 + tl.program_id(0) * BLOCK_L + tl.arange(0, BLOCK_L)
+    l_ok = l < LE
     ld, lh, lw, fd, fh, fw, inside, nan = _points(off_ptr, n, g, k, l, l_ok, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD,
                                                   PH, PW, DD, DH, DW, KH, KW, RANK)
     m = tl.full((BLOCK_L,), 1.0, tl.float32)
@@ -147,15 +153,17 @@ def _program(off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, 
 def _columns_kernel(
     x_ptr, off_ptr, msk_ptr, col_ptr,      # see the module docstring
     D, H, W, OH, OW, C, CG, G, K, L,       # sizes (OD follows from L)
+    L0, LE, LC,                            # the chunk's positions L0 ≤ l < LE; LC = LE − L0, a column row
     SD, SH, SW, PD, PH, PW, DD, DH, DW,    # stride, padding, dilation per axis
     KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, TAPS: tl.constexpr,
 ):
-    """columns[n, g·CG + c, k, l] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (L tiles, N·G·K/TAPS)."""
+    """columns[n, g·CG + c, k, l − L0] = mask · Σ_corners weight · x[n, corner, g·CG + c]. Grid: (chunk tiles,
+    n·G·K/TAPS)."""
     for j in range(TAPS):
         n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
-            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK,
-            BLOCK_L, TAPS)
+            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, L0, LE, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK,
+            HAS_MASK, BLOCK_L, TAPS)
         for c0 in range(0, CG, BLOCK_C):
             cc = c0 + tl.arange(0, BLOCK_C)
             c_ok = cc < CG
@@ -167,31 +175,31 @@ def _columns_kernel(
                 acc += weight[:, None] * v
             acc = tl.where(nan[:, None], float("nan"), acc) * m[:, None]
             rows = (n * C + g * CG + cc).to(tl.int64) * K + k
-            tl.store(col_ptr + rows[None, :] * L + l[:, None], acc.to(col_ptr.dtype.element_ty),
+            tl.store(col_ptr + rows[None, :] * LC + (l - L0)[:, None], acc.to(col_ptr.dtype.element_ty),
                      mask=l_ok[:, None] & c_ok[None, :])
 
 
 @triton.jit
 def _columns_grad_kernel(
-    x_ptr, off_ptr, msk_ptr, gcol_ptr,     # gcol: the columns' gradient [N, C, K, L] (before the mask)
+    x_ptr, off_ptr, msk_ptr, gcol_ptr,     # gcol: the chunk columns' gradient [n, C, K, LC] (before the mask)
     gin_ptr,                               # the sampled tensor's gradient accumulator like x: fp32, int64 if FIXED
     goff_ptr, gmsk_ptr,                    # grad_offset, grad_mask in the offset's and mask's layouts
     scale_ptr,                             # fp32 [1]: grad_input's fixed-point scale (read if FIXED)
-    D, H, W, OH, OW, C, CG, G, K, L,
+    D, H, W, OH, OW, C, CG, G, K, L, L0, LE, LC,
     SD, SH, SW, PD, PH, PW, DD, DH, DW,
     KH: tl.constexpr, KW: tl.constexpr, RANK: tl.constexpr, HAS_MASK: tl.constexpr,
     NEED_IN: tl.constexpr, NEED_OFF: tl.constexpr, NEED_MSK: tl.constexpr, FIXED: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, TAPS: tl.constexpr,
 ):
     """grad_input += gcol·mask·weight at each corner; grad_mask = Σ_c gcol·sample; grad_offset along each axis
-    = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (L tiles, N·G·K/TAPS)."""
+    = mask·Σ_c gcol·Σ_corners ∂weight·x. Grid: (chunk tiles, n·G·K/TAPS)."""
     scale = 1.0
     if FIXED:
         scale = tl.load(scale_ptr)
     for j in range(TAPS):
         n, g, k, l, l_ok, ld, lh, lw, fd, fh, fw, inside, nan, m = _program(
-            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK, HAS_MASK,
-            BLOCK_L, TAPS)
+            off_ptr, msk_ptr, j, D, H, W, OH, OW, G, K, L, L0, LE, SD, SH, SW, PD, PH, PW, DD, DH, DW, KH, KW, RANK,
+            HAS_MASK, BLOCK_L, TAPS)
         gm = tl.zeros((BLOCK_L,), tl.float32)
         gd = gm
         gh = gm
@@ -201,7 +209,7 @@ def _columns_grad_kernel(
             c_ok = cc < CG
             tile_ok = l_ok[:, None] & c_ok[None, :]
             rows = (n * C + g * CG + cc).to(tl.int64) * K + k
-            gc = tl.load(gcol_ptr + rows[None, :] * L + l[:, None], mask=tile_ok, other=0.0).to(tl.float32)
+            gc = tl.load(gcol_ptr + rows[None, :] * LC + (l - L0)[:, None], mask=tile_ok, other=0.0).to(tl.float32)
             for corner in tl.static_range(1 << RANK):
                 pix, valid, weight, dd, dh, dw = _corner(n, ld, lh, lw, fd, fh, fw, inside, D, H, W, corner)
                 ptrs = pix[:, None] * C + (g * CG + cc)[None, :]
@@ -250,62 +258,87 @@ class _Geometry:
         self.C, self.G = channels, offset_groups
         D, H, W = _three(image, 1)
         _, OH, OW = _three(positions, 1)
-        self.args = (D, H, W, OH, OW, channels, channels // offset_groups, offset_groups, self.K, self.L,
-                     *_three(stride, 1), *_three(padding, 0), *_three(dilation, 1))
+        self.sizes = (D, H, W, OH, OW, channels, channels // offset_groups, offset_groups, self.K, self.L)
+        self.settings = (*_three(stride, 1), *_three(padding, 0), *_three(dilation, 1))
         kh, self.kw = _three(kernel, 1)[1:]
         self.meta = dict(KH=kh, KW=self.kw, RANK=self.rank, BLOCK_L=BLOCK_L,
                          BLOCK_C=max(2, min(MAX_BLOCK_C, next_pow2(channels // offset_groups))))
 
-    def launch(self, n: int, device: torch.device) -> Tuple[tuple, dict]:
-        """(grid, meta) of the kernels for n images: a program walks a row of the kernel's last axis where the grid
-        still has ROW_PROGRAMS programs an SM, else one tap."""
-        tiles, rows = ceil_div(self.L, BLOCK_L), n * self.G * (self.K // self.kw)
+    def chunks(self, n: int) -> List[Tuple[int, int, List[Tuple[int, int]]]]:
+        """[(s, e, [(l0, le), ...])]: images s:e together where their columns fit COLUMN_BUDGET, each with its runs
+        of positions (one run, all L, unless a single image's columns exceed the budget)."""
+        per_image = self.C * self.K * self.L
+        if per_image <= COLUMN_BUDGET:
+            step = max(1, COLUMN_BUDGET // max(per_image, 1))
+            return [(s, min(n, s + step), [(0, self.L)] if self.L else []) for s in range(0, n, step)]
+        run = max(BLOCK_L, COLUMN_BUDGET // (self.C * self.K) // BLOCK_L * BLOCK_L)
+        runs = [(l0, min(self.L, l0 + run)) for l0 in range(0, self.L, run)]
+        return [(s, s + 1, runs) for s in range(n)]
+
+    def launch(self, n: int, l0: int, le: int, device: torch.device) -> Tuple[tuple, tuple, dict]:
+        """(grid, size arguments, meta) of the kernels for positions l0:le of n images: a program walks a row of the
+        kernel's last axis where the grid still has ROW_PROGRAMS programs an SM, else one tap."""
+        tiles, rows = ceil_div(le - l0, BLOCK_L), n * self.G * (self.K // self.kw)
         taps = self.kw if tiles * rows >= ROW_PROGRAMS * sm_count(device) else 1
-        return (tiles, rows * self.kw // taps), dict(self.meta, TAPS=taps)
+        return (tiles, rows * self.kw // taps), (*self.sizes, l0, le, le - l0, *self.settings), dict(self.meta,
+                                                                                                 TAPS=taps)
 
 
 def _channels_last(t: Tensor) -> Tensor:
     return t.movedim(1, -1).contiguous()
 
 
-def _columns(x_cl: Tensor, offset: Tensor, mask: Optional[Tensor], geo: _Geometry, dtype: torch.dtype) -> Tensor:
+def _columns(x_cl: Tensor, offset: Tensor, mask: Optional[Tensor], geo: _Geometry, l0: int, le: int,
+             dtype: torch.dtype) -> Tensor:
+    """The columns [n, C, K, le − l0] of positions l0:le of the images x_cl [n, *image, C]."""
     n = x_cl.shape[0]
-    cols = torch.empty((n, geo.C, geo.K, geo.L), dtype=dtype, device=x_cl.device)
-    grid, meta = geo.launch(n, x_cl.device)
-    run_cached(_columns_kernel, grid, [x_cl, offset, mask if mask is not None else offset, cols], geo.args,
+    cols = torch.empty((n, geo.C, geo.K, le - l0), dtype=dtype, device=x_cl.device)
+    grid, sizes, meta = geo.launch(n, l0, le, x_cl.device)
+    run_cached(_columns_kernel, grid, [x_cl, offset, mask if mask is not None else offset, cols], sizes,
                dict(meta, HAS_MASK=mask is not None))
     return cols
 
 
-def _columns_grad(x_cl: Optional[Tensor], offset: Tensor, mask: Optional[Tensor], gcols: Tensor, geo: _Geometry,
-                  need_in: bool, need_off: bool, need_mask: bool):
-    """(grad of the sampled tensor [n, *image, C] fp32, grad_offset, grad_mask) of a chunk; None where not needed."""
-    n = gcols.shape[0]
-    dev = gcols.device
-    fixed = need_in and torch.are_deterministic_algorithms_enabled()
-    gin = scales = None
-    if need_in:
-        gin = torch.zeros((n, *geo.image, geo.C), dtype=torch.int64 if fixed else torch.float32, device=dev)
-        if fixed:  # a contribution is gcol · mask · (weight <= 1); K·L of them reach one element
-            bound = max_abs(gcols) * (max_abs(mask) if mask is not None else 1.0) * (geo.K * geo.L)
-            scales = scales_for(bound)
-    goff = torch.empty_like(offset) if need_off else None
-    gmsk = torch.empty_like(mask) if need_mask else None
-    x = x_cl if x_cl is not None else gcols
-    grid, meta = geo.launch(n, dev)
-    run_cached(_columns_grad_kernel, grid,
-               [x, offset, mask if mask is not None else offset, gcols, gin if gin is not None else gcols,
-                goff if goff is not None else offset, gmsk if gmsk is not None else offset,
-                scales[0] if fixed else offset],
-               geo.args, dict(meta, HAS_MASK=mask is not None, NEED_IN=need_in, NEED_OFF=need_off,
-                              NEED_MSK=need_mask, FIXED=fixed))
-    if gin is not None and fixed:
-        gin = gin.double() * scales[1].double()
-    return gin, goff, gmsk
+class _Gradients:
+    """The gradient kernel over one image chunk's position runs: grad_offset and grad_mask written in place (each
+    run its own positions), the sampled tensor's gradient [n, *image, C] summed over the runs (fp32 atomics; in
+    deterministic mode a run's int64 fixed-point sum, added in float64 in run order) into gin: `into` itself where
+    that is an fp32 tensor and the mode not deterministic (no buffer and copy), else a buffer to copy from."""
 
+    def __init__(self, x_cl: Optional[Tensor], offset: Tensor, mask: Optional[Tensor], geo: _Geometry,
+                 into: Optional[Tensor], grad_offset: Optional[Tensor], grad_mask: Optional[Tensor]):
+        self.x_cl, self.offset, self.mask, self.geo = x_cl, offset, mask, geo
+        self.need_in, self.goff, self.gmsk = into is not None, grad_offset, grad_mask
+        self.fixed = self.need_in and torch.are_deterministic_algorithms_enabled()
+        self.gin = None
+        if into is not None:
+            self.gin = into.zero_() if into.dtype == torch.float32 and not self.fixed else \
+                torch.zeros(into.shape, dtype=torch.float64 if self.fixed else torch.float32, device=into.device)
 
-def _chunk(per_image: int) -> int:
-    return max(1, COLUMN_BUDGET // max(per_image, 1))
+    def copy_to(self, into: Tensor) -> None:
+        """into = the summed gradient (nothing to do where it was summed in place)."""
+        if self.gin.data_ptr() != into.data_ptr():
+            into.copy_(self.gin)
+
+    def run(self, gcols: Tensor, l0: int, le: int) -> None:
+        """The kernel on the columns' gradient gcols [n, C, K, le − l0] of positions l0:le."""
+        geo, mask, n = self.geo, self.mask, gcols.shape[0]
+        gin = scales = None
+        if self.need_in:
+            gin = torch.zeros_like(self.gin, dtype=torch.int64) if self.fixed else self.gin
+            if self.fixed:  # a contribution is gcol · mask · (weight <= 1); K·(le − l0) of them reach one element
+                bound = max_abs(gcols) * (max_abs(mask) if mask is not None else 1.0) * (geo.K * (le - l0))
+                scales = scales_for(bound)
+        x = self.x_cl if self.x_cl is not None else gcols
+        grid, sizes, meta = geo.launch(n, l0, le, gcols.device)
+        run_cached(_columns_grad_kernel, grid,
+                   [x, self.offset, mask if mask is not None else self.offset, gcols, gin if gin is not None else gcols,
+                    self.goff if self.goff is not None else self.offset,
+                    self.gmsk if self.gmsk is not None else self.offset, scales[0] if self.fixed else self.offset],
+                   sizes, dict(meta, HAS_MASK=mask is not None, NEED_IN=self.need_in, NEED_OFF=self.goff is not None,
+                               NEED_MSK=self.gmsk is not None, FIXED=self.fixed))
+        if self.fixed:
+            self.gin += gin.double() * scales[1].double()
 
 
 def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
@@ -322,12 +355,16 @@ def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Te
     offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
     w = weight.to(input.dtype).reshape(groups, cout // groups, -1)
     out = torch.empty((N, cout, *positions), dtype=input.dtype, device=input.device)
-    step = _chunk(cin * geo.K * geo.L)
+    out_g = out.view(N, groups, cout // groups, geo.L)
     with on_device_of(input), conv_matmul_precision(input.dtype):
-        for s in range(0, N, step):
-            e = min(N, s + step)
-            cols = _columns(x_cl[s:e], offset[s:e], None if mask is None else mask[s:e], geo, input.dtype)
-            out[s:e] = torch.matmul(w, cols.view(e - s, groups, -1, geo.L)).view(e - s, cout, *positions)
+        for s, e, runs in geo.chunks(N):
+            for l0, le in runs:
+                cols = _columns(x_cl[s:e], offset[s:e], None if mask is None else mask[s:e], geo, l0, le, input.dtype)
+                cols = cols.view(e - s, groups, -1, le - l0)
+                if e - s == N and le - l0 == geo.L:  # the whole output at once: straight into it
+                    torch.matmul(w, cols, out=out_g)
+                else:
+                    out_g[s:e, ..., l0:le] = torch.matmul(w, cols)
     if bias is not None:
         out += bias.to(out.dtype).reshape(1, cout, *([1] * r))
     return out
@@ -353,26 +390,28 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     grad_in = torch.empty((N, *image, cin), dtype=dtype, device=input.device) if need_in else None
     grad_off = torch.empty_like(offset) if need_off else None
     grad_mask = torch.empty_like(mask) if need_mask else None
-    grad_w = torch.zeros((groups, cout // groups, w.shape[-1]), dtype=torch.float32, device=input.device) \
-        if need_w else None
-    step = _chunk(cin * geo.K * geo.L)
+    grad_w = None  # fp32 sums of the chunks' products
     with on_device_of(input), conv_matmul_precision(dtype):
-        for s in range(0, N, step):
-            e = min(N, s + step)
+        for s, e, runs in geo.chunks(N):
             m = None if mask is None else mask[s:e]
-            if need_w:
-                cols = _columns(x_cl[s:e], offset[s:e], m, geo, dtype).view(e - s, groups, -1, geo.L)
-                grad_w += torch.matmul(go[s:e], cols.transpose(-1, -2)).float().sum(0)
-                del cols
+            grads = None
             if need_in or need_off or need_mask:
-                gcols = torch.matmul(w.transpose(1, 2), go[s:e]).view(e - s, cin, geo.K, geo.L)
-                gin, goff, gmsk = _columns_grad(x_cl[s:e], offset[s:e], m, gcols, geo, need_in, need_off, need_mask)
-                if need_in:
-                    grad_in[s:e] = gin
-                if need_off:
-                    grad_off[s:e] = goff
-                if need_mask:
-                    grad_mask[s:e] = gmsk
+                grads = _Gradients(x_cl[s:e], offset[s:e], m, geo, None if grad_in is None else grad_in[s:e],
+                                   None if grad_off is None else grad_off[s:e],
+                                   None if grad_mask is None else grad_mask[s:e])
+            for l0, le in runs:
+                if need_w:
+                    cols = _columns(x_cl[s:e], offset[s:e], m, geo, l0, le, dtype).view(e - s, groups, -1, le - l0)
+                    part = torch.matmul(go[s:e, ..., l0:le], cols.transpose(-1, -2)).sum(0, dtype=torch.float32)
+                    grad_w = part if grad_w is None else grad_w.add_(part)
+                    del cols
+                if grads is not None:
+                    grads.run(torch.matmul(w.transpose(1, 2), go[s:e, ..., l0:le]).view(e - s, cin, geo.K, le - l0),
+                              l0, le)
+            if need_in:
+                grads.copy_to(grad_in[s:e])
+    if need_w and grad_w is None:  # no positions
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=input.device)
     return (None if grad_in is None else grad_in.movedim(-1, 1), grad_off,
             None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype), grad_mask)
 
@@ -392,14 +431,13 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
     w = weight.to(input.dtype).reshape(groups, cin // groups, -1)
     u = input.reshape(N, groups, cin // groups, geo.L)
     out = torch.empty((N, *image, cout), dtype=input.dtype, device=input.device)
-    step = _chunk(cout * geo.K * geo.L)
     with on_device_of(input), conv_matmul_precision(input.dtype):
-        for s in range(0, N, step):
-            e = min(N, s + step)
-            gcols = torch.matmul(w.transpose(1, 2), u[s:e]).view(e - s, cout, geo.K, geo.L)
-            gin, _, _ = _columns_grad(None, offset[s:e], None if mask is None else mask[s:e], gcols, geo, True, False,
-                                      False)
-            out[s:e] = gin
+        for s, e, runs in geo.chunks(N):
+            grads = _Gradients(None, offset[s:e], None if mask is None else mask[s:e], geo, out[s:e], None, None)
+            for l0, le in runs:
+                grads.run(torch.matmul(w.transpose(1, 2), u[s:e, ..., l0:le]).view(e - s, cout, geo.K, le - l0),
+                          l0, le)
+            grads.copy_to(out[s:e])
     out = out.movedim(-1, 1)
     # a NaN sample point makes its image's output NaN in its offset group's channels (reference.py)
     poisoned = torch.isnan(offset.reshape(N, G, -1)).any(-1)
