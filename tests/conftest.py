@@ -151,6 +151,13 @@ def forced():
         yield lambda **changes: stack.enter_context(options.override(**changes))
 
 
+@pytest.fixture
+def implicit_gemm_for_groups(forced):
+    """Grouped cases on the implicit GEMM's kernels (options.narrow_groups False), where narrow groups would otherwise
+    take the column kernels (ops/deform_conv2d/triton/narrow_groups.py): for the tests of those kernels' routes."""
+    forced(narrow_groups=False)
+
+
 def kernel_modules():
     """The Triton backend's modules of deform_conv2d, by short name (imported here: tests that need them)."""
     import importlib

@@ -30,6 +30,9 @@ WIDE = {"cout-128": (2, 16, 128, 9, 11, 3, 1, 1, 1, 1, True), "cin-512": (2, 512
 # past it (configs.traced_wide_tile)
 WAVES = {"cout-256-one-wave": (2, 16, 256, 9, 11, 3, 1, 1, 1, 1, True),
          "cout-256-two-waves": (4, 16, 256, 60, 60, 3, 1, 1, 1, 1, True)}
+# depthwise: eager calls take the N-d forms' column kernels (ops/deform_conv2d/triton/narrow_groups.py), the compile
+# route the implicit GEMM
+NARROW = {"depthwise-og2": (2, 16, 16, 9, 11, 3, 16, 2, 1, 1, True)}
 DTYPES = ("float32", "float16", "bfloat16")
 MAIN_KERNELS = ("_deform_conv2d_fwd_kernel", "_deform_conv2d_bwd_data_kernel", "_deform_conv2d_bwd_weight_kernel")
 
@@ -56,7 +59,7 @@ def _fake_inputs(name, dtype, symbolic=False):
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    n, cin, cout, h, w, k, g, og, s, p, has_mask = {**SHAPES, **WIDE, **WAVES}[name]
+    n, cin, cout, h, w, k, g, og, s, p, has_mask = {**SHAPES, **WIDE, **WAVES, **NARROW}[name]
     ho, wo = (h + 2 * p - k) // s + 1, (w + 2 * p - k) // s + 1
     env = ShapeEnv() if symbolic else None
     if symbolic:
@@ -130,6 +133,8 @@ def _child() -> dict:
     for name, dtype in (("cout-256-one-wave", "bfloat16"), ("cout-256-two-waves", "bfloat16"),
                         ("cout-256-two-waves", "float32")):
         results[f"{name}:{dtype}"] = _trace(name, dtype, needs=[False, False, False, False, False])
+    for dtype in DTYPES:
+        results[f"depthwise-og2:{dtype}"] = _trace("depthwise-og2", dtype)
     os.environ["DEFORMCONV_COMPILE_KERNELS"] = "0"
     results["switched-off"] = _trace("groups-og4", "float16")
     return results
@@ -155,6 +160,18 @@ def test_ops_decompose_into_the_kernels_with_the_promised_outputs(traces, name, 
     for kernel in MAIN_KERNELS:
         assert kernel in t["launched"], t["launched"]
     assert t["traced"] == t["promised"]  # torch.compile plans the graph with the fake implementations' layouts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_narrow_groups_trace_the_implicit_gemm(traces, dtype):
+    """A depthwise call, which eager calls take through the column kernels, traces into the implicit GEMM's kernels
+    with the promised outputs; no kernel writes a graph input."""
+    t = traces[f"depthwise-og2:{dtype}"]
+    assert not t["opaque"], t["opaque"]
+    assert set(MAIN_KERNELS) <= set(t["launched"]) and "_columns_grad_kernel" not in t["launched"], t["launched"]
+    assert t["traced"] == t["promised"]
+    for launch in t["stores"]:
+        assert not launch["writes_inputs"], launch
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

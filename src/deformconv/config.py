@@ -167,6 +167,8 @@ class Options:
                                                 # usable; None: where columns.columns_usable's rule takes it)
     columns_grad_data: Optional[bool] = None  # grad_input/offset/mask through cuBLAS's grad_col rows (True: wherever
                                               # usable; None: where columns.grad_columns_usable's rule takes it)
+    narrow_groups: Optional[bool] = None  # deform_conv2d's grouped calls through the N-d column kernels (True: every
+                                          # grouped call; False: none; None: narrow_groups.py's rule)
     gather_tile: Optional[Tuple[int, int]] = None  # (elements, warps) of the gather kernels' programs (launch.py)
     preload_points: Optional[bool] = None  # a row's point parameters loaded for all its points first (None: where
                                            # they fit 16 columns; common/launch.py: preload_points)

@@ -30,6 +30,8 @@ from conftest import (
 
 import deformconv
 
+pytestmark = pytest.mark.usefixtures("implicit_gemm_for_groups")  # these kernels' routes, grouped cases included
+
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("split", [2, 4, 7], ids=["taps-split-2", "taps-split-4", "taps-split-7-some-empty"])

@@ -12,7 +12,8 @@ from torch._inductor.utils import run_and_get_code
 
 import deformconv
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("implicit_gemm_for_groups")]  # these kernels, grouped cases included
 
 # (n, cin, cout, h, w, k, groups, offset_groups, stride, padding, dilation, mask): odd sizes, stride 2, groups, 5x5,
 # no mask, packed segments

@@ -7,6 +7,8 @@ from conftest import CountingKernel, kernel_modules, nan_filled_empty, requires_
 from deformconv.checks import ConvGeometry
 from deformconv.config import options
 
+pytestmark = pytest.mark.usefixtures("implicit_gemm_for_groups")  # these kernels' routes, grouped cases included
+
 K = kernel_modules()
 
 

@@ -24,7 +24,8 @@ from conftest import (
 import deformconv
 from deformconv.config import options
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")]
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU"),
+              pytest.mark.usefixtures("implicit_gemm_for_groups")]  # these kernels, grouped cases included
 
 DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, torch.float16, torch.bfloat16)]
 

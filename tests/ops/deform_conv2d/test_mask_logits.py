@@ -1,9 +1,9 @@
 """A modulated layer's planned call reading its offset conv's output as it is (sampling.MASK_LOGITS): the kernels take
 the offset and the mask's logits from the one NCHW tensor, apply the sigmoid themselves and write both gradients into
-one tensor like it. Against the float64 oracle from the offset conv's output as computed (the split, the sigmoid and
-the naive op), on every route the kernels take: packed and long segments, sample points loaded ahead or in the step,
-the column buffers, deterministic mode, the batch in chunks; and a channels_last output, which takes the split, bit for
-bit as before."""
+one tensor like it. Against the float64 oracle from the offset conv's output as computed (the split, the sigmoid and the
+naive op), on every route the kernels take: packed and long segments, sample points loaded ahead or in the step, the
+column buffers, deterministic mode, the batch in chunks, narrow groups' column kernels; and a channels_last output,
+which takes the split, bit for bit as before."""
 
 import dataclasses
 
@@ -26,7 +26,7 @@ GPU_CASES = {  # a network's layer shapes and odd ones
     "groups2-og3-5x5-dil2": dict(cin=48, cout=40, k=5, n=1, h=21, w=19, padding=4, dilation=2, groups=2,
                                  offset_groups=3),
 }
-ROUTES = ["kernels", "sample-in-step", "columns", "deterministic", "image-chunks"]
+ROUTES = ["kernels", "sample-in-step", "columns", "deterministic", "image-chunks", "narrow-groups"]
 GPU_DTYPES = [pytest.param(d, id=str(d).split(".")[-1]) for d in (torch.float32, torch.float16, torch.bfloat16)]
 
 
@@ -66,6 +66,7 @@ def _oracle(layer, x, out, gout, op=naive_deform_conv2d):
 
 
 def _route(route, forced, monkeypatch, kernels):
+    forced(narrow_groups=route == "narrow-groups")  # grouped cases: the column kernels on that route only
     if route == "sample-in-step":
         forced(configs={"fwd": lambda c: dataclasses.replace(c, sample_ahead=False)})
     elif route == "columns":

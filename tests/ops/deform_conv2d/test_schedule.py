@@ -17,6 +17,8 @@ from _dcn_cases import (
 from _naive import naive_deform_conv2d
 from conftest import CountingKernel, kernel_modules, launch_metas, make_case
 
+pytestmark = pytest.mark.usefixtures("implicit_gemm_for_groups")  # these kernels' routes, grouped cases included
+
 CHUNK_CASES = [pytest.param(c, lay, det, id=f"{c}-{lay}-{'deterministic' if det else 'atomics'}")
                for c, lay, det in [("3x3-pad1", "nchw", False), ("3x3-pad1", "channels_last", False),
                                    ("3x3-pad1", "nchw", True), ("3x3-pad1", "channels_last", True),

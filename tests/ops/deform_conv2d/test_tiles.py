@@ -20,6 +20,8 @@ from conftest import assert_close, kernel_modules, launch_metas, make_case, nan_
 
 import deformconv
 
+pytestmark = pytest.mark.usefixtures("implicit_gemm_for_groups")  # these kernels' routes, grouped cases included
+
 
 @pytest.mark.parametrize("backend,dtype", TRITON_BACKENDS)
 @pytest.mark.parametrize("per_image", [True, False], ids=["tiles-per-image", "tiles-flat-grad-out-reloaded"])

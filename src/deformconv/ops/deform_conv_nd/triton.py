@@ -48,7 +48,7 @@ from .reference import out_size, transposed_size
 
 BLOCK_L = 64           # positions a program (a row of 64 coalesced column stores a channel)
 MAX_BLOCK_C = 32       # channels a pass of the channel loop
-COLUMN_BUDGET = 1 << 24  # elements of one chunk's columns (64 MiB in fp32): peak memory near the dense conv's
+COLUMN_BUDGET = 1 << 24  # elements of one chunk's columns (64 MiB in fp32; docs/tuning.md: memory)
 ROW_PROGRAMS = 4       # a program walks a row of taps where the grid keeps this many programs an SM (docs/tuning.md)
 
 

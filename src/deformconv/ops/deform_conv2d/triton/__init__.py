@@ -1,8 +1,9 @@
 """deform_conv2d's Triton backend: ``forward``, ``backward`` (``backward_data``: grad_input/offset/mask;
 ``backward_weight``: grad_weight/bias; ``columns``: grad_weight and grad_input through a column buffer and cuBLAS),
-``configs`` (tile candidates), ``schedule`` (the backward's chunks and streams), ``geometry``, ``tiles`` and
-``packing`` (the kernels' host-side and device-side building blocks), ``call`` (a call signature's planned launches,
-the eager fast path). docs/design.md explains how the kernels work.
+``narrow_groups`` (depthwise and other narrow groups through the N-d forms' column kernels), ``configs`` (tile
+candidates), ``schedule`` (the backward's chunks and streams), ``geometry``, ``tiles`` and ``packing`` (the kernels'
+host-side and device-side building blocks), ``call`` (a call signature's planned launches, the eager fast path).
+docs/design.md explains how the kernels work.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ from ...common.layout import (
     to_nhwc_summed,
     to_offset_grouped,
 )
+from . import narrow_groups
 from .backward_data import launch_grad_data, run_grad_data
 from .backward_weight import finish_grads, launch_grad_weight, run_grad_weight, weight_targets
 from .columns import columns_grad_data, columns_grad_weight, columns_usable, grad_columns_usable
@@ -81,7 +82,10 @@ def deform_conv2d_backward(
     layout, needs and the settings the plans depend on already (call.py): it holds the schedule and the plan once
     there are, so that no plan key is built at later calls. logits: offset and mask as deform_conv2d_forward's
     logits (views of one tensor, the mask's logits): the offset's and the mask's gradients are then written into one
-    new tensor like it, returned in grad_offset's place (grad_mask None), the mask's with respect to the logits."""
+    new tensor like it, returned in grad_offset's place (grad_mask None), the mask's with respect to the logits.
+    Narrow convolution groups go through the column kernels instead (narrow_groups.py)."""
+    if narrow_groups.narrow_groups(input, weight):
+        return narrow_groups.backward(grad_out, input, offset, weight, mask, stride, padding, dilation, needs, logits)
     # --- check and prepare ---
     need_in, need_off, need_mask, need_w, need_b = needs
     need_in, need_off, need_w = bool(need_in), bool(need_off), bool(need_w)

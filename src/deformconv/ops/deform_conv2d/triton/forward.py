@@ -37,6 +37,7 @@ from ...common.sampling import (
     sample_loads,
     sample_point,
 )
+from . import narrow_groups
 from .configs import Config, fwd_candidates
 from .geometry import (
     contiguous_operands,
@@ -311,7 +312,10 @@ def deform_conv2d_forward(
     by a caller that knows the call signature already (call.py), which holds the plan once there is one, so that
     no plan key is built at later calls. logits: offset and mask are the channel ranges [:2·G·kh·kw] and
     [2·G·kh·kw:] of one NCHW-contiguous tensor (geometry.reads_logits) and mask holds logits: the kernels read both
-    where they are and take the sigmoid themselves (eager calls only: a traced call's kernels read copies)."""
+    where they are and take the sigmoid themselves (eager calls only: a traced call's kernels read copies). Narrow
+    convolution groups go through the column kernels instead (narrow_groups.py)."""
+    if narrow_groups.narrow_groups(input, weight):
+        return narrow_groups.forward(input, offset, weight, bias, mask, stride, padding, dilation, logits)
     if logits:
         off, msk = offset, mask
     else:
