@@ -292,7 +292,7 @@ def test_triton_kernels_against_the_reference(name, deterministic, row_programs,
     reference within float32's tolerance, in deterministic mode too (int64 fixed-point scatters), with programs
     walking a row of taps and a tap each (the launcher's two grids), and with an image's columns in runs of 4
     positions (the chunks of an image too large for the column budget; grad_input summed over the runs)."""
-    from deformconv.ops.deform_conv_nd import triton as kernels
+    from deformconv.ops.common import columns_nd as kernels
 
     monkeypatch.setattr(kernels, "ROW_PROGRAMS", row_programs)
     if runs:

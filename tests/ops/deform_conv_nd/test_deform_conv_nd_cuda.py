@@ -112,7 +112,7 @@ def test_fp32_products_follow_cudnns_tf32_flag(monkeypatch):
 def test_columns_in_runs_of_positions(name, deterministic, monkeypatch):
     """An image whose columns exceed the column budget goes in runs of its positions (64 each here):
     output and every gradient still equal the float64 reference, grad_input summed over the runs."""
-    from deformconv.ops.deform_conv_nd import triton as kernels
+    from deformconv.ops.common import columns_nd as kernels
 
     monkeypatch.setattr(kernels, "COLUMN_BUDGET", 8 * 27 * 64)
     leaves, call = _case(name, seed=5)
@@ -131,7 +131,7 @@ def test_columns_in_runs_of_positions(name, deterministic, monkeypatch):
 def test_peak_memory_keeps_to_the_column_budget():
     """A 3D layer whose whole fp32 columns take 221 MB (32 channels × 27 taps × 40³ positions): its forward and
     backward allocate at most the budget's columns (64 MiB) and their gradient beside the tensors they return."""
-    from deformconv.ops.deform_conv_nd import triton as kernels
+    from deformconv.ops.common import columns_nd as kernels
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     x = torch.randn(1, 32, 40, 40, 40, device="cuda", generator=gen, requires_grad=True)

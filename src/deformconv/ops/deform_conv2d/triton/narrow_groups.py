@@ -1,5 +1,5 @@
 """deform_conv2d whose convolution groups are narrow (depthwise: fewer than MIN_GROUP_CHANNELS input channels a
-group) through the N-d forms' column kernels at rank 2 (ops/deform_conv_nd/triton.py) instead of the implicit GEMM.
+group) through the column kernels of the N-d forms at rank 2 (ops/common/columns_nd.py) instead of the implicit GEMM.
 
 Why: the implicit GEMM runs a program per (group, position tile), each gathering its group's few channels of every
 corner on its own: at a depthwise layer (8×128→128, 56², 3×3, fp16) 128 programs read 2 bytes each of the same
@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ....checks import suggest_memory_format
 from ....config import options, tracing
-from ...deform_conv_nd import triton as columns
+from ...common import columns_nd as columns
 
 # Input channels a group from which the implicit GEMM is taken: depthwise groups (1) are what was measured slow on
 # it; groups of 2 to 7 channels share the pathology in kind but were not measured either way (docs/tuning.md)
@@ -46,7 +46,8 @@ def forward(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor
             stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int], logits: bool = False) -> Tensor:
     if logits:
         mask = torch.sigmoid(mask)
-    out = columns.deform_conv(input, offset, weight, bias, mask, list(stride), list(padding), list(dilation))
+    out = columns.deform_conv(input, offset, weight, bias, mask, list(stride), list(padding), list(dilation),
+                              offset.shape[2:])
     return out.contiguous(memory_format=suggest_memory_format(input))
 
 
