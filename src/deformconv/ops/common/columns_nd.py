@@ -309,17 +309,17 @@ class _Gradients:
     def __init__(self, x_cl: Optional[Tensor], offset: Tensor, mask: Optional[Tensor], geo: _Geometry,
                  into: Optional[Tensor], grad_offset: Optional[Tensor], grad_mask: Optional[Tensor]):
         self.x_cl, self.offset, self.mask, self.geo = x_cl, offset, mask, geo
-        self.need_in, self.goff, self.gmsk = into is not None, grad_offset, grad_mask
+        self.into, self.need_in, self.goff, self.gmsk = into, into is not None, grad_offset, grad_mask
         self.fixed = self.need_in and torch.are_deterministic_algorithms_enabled()
         self.gin = None
         if into is not None:
             self.gin = into.zero_() if into.dtype == torch.float32 and not self.fixed else \
                 torch.zeros(into.shape, dtype=torch.float64 if self.fixed else torch.float32, device=into.device)
 
-    def copy_to(self, into: Tensor) -> None:
+    def finish(self) -> None:
         """into = the summed gradient (nothing to do where it was summed in place)."""
-        if self.gin.data_ptr() != into.data_ptr():
-            into.copy_(self.gin)
+        if self.gin is not self.into:
+            self.into.copy_(self.gin)
 
     def run(self, gcols: Tensor, l0: int, le: int) -> None:
         """The kernel on the columns' gradient gcols [n, C, K, le − l0] of positions l0:le."""
@@ -410,7 +410,7 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
                     grads.run(torch.matmul(w.transpose(1, 2), go[s:e, ..., l0:le]).view(e - s, cin, geo.K, le - l0),
                               l0, le)
             if need_in:
-                grads.copy_to(grad_in[s:e])
+                grads.finish()
     if need_w and grad_w is None:  # no positions
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=input.device)
     return (None if grad_in is None else grad_in.movedim(-1, 1), grad_off,
@@ -439,7 +439,7 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
             for l0, le in runs:
                 grads.run(torch.matmul(w.transpose(1, 2), u[s:e, ..., l0:le]).view(e - s, cout, geo.K, le - l0),
                           l0, le)
-            grads.copy_to(out[s:e])
+            grads.finish()
     out = out.movedim(-1, 1)
     # a NaN sample point makes its image's output NaN in its offset group's channels (the reference's rule)
     poisoned = torch.isnan(offset.reshape(N, G, -1)).any(-1)

@@ -63,8 +63,8 @@ def backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, ma
         need_off = need_mask = need_off or need_mask
     need_mask = need_mask and mask is not None
     g_in, g_off, g_w, g_mask = columns.deform_conv_backward(
-        grad_out.to(input.dtype), input, offset, weight, sig if logits else mask, list(stride), list(padding),
-        list(dilation), (need_in, need_off, need_w, need_mask))
+        grad_out, input, offset, weight, sig if logits else mask, list(stride), list(padding), list(dilation),
+        (need_in, need_off, need_w, need_mask))
     if g_in is not None:
         g_in = g_in.contiguous(memory_format=suggest_memory_format(input))
     g_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype) if need_b else None
