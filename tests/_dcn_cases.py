@@ -72,7 +72,7 @@ def fwd_bwd(fn, leaves, kwargs, grad_seed=1):
     out = fn(x, offset, weight, bias, stride=kwargs["stride"], padding=kwargs["padding"],
              dilation=kwargs["dilation"], mask=mask)
     g = torch.Generator().manual_seed(grad_seed)
-    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
+    grad_out = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.device, out.dtype)
     wrt = [t for t in leaves if t is not None]
     # allow_unused: the naive oracle never touches an input whose every sample falls outside the image.
     grads = torch.autograd.grad(out, wrt, grad_out, allow_unused=True)

@@ -1,7 +1,7 @@
 """Narrow convolution groups (depthwise and near it) through the N-d forms' column kernels
 (ops/deform_conv2d/triton/narrow_groups.py): output and every gradient against the naive float64 op, plain and from a
 modulated layer's depthwise offset conv output (the logits form, taken by the rule), in deterministic mode too; the
-rule (groups of fewer than MIN_GROUP_CHANNELS input channels) and not one group of few channels."""
+rule (groups of at most NARROW_CHANNELS input channels) and not one group of few channels."""
 
 import pytest
 import torch
@@ -17,10 +17,11 @@ CASES = {  # make_case's arguments
     "groups2-og3-5x5-no-mask": dict(n=1, cin=6, cout=4, h=6, w=7, kh=5, kw=5, groups=2, offset_groups=3, padding=2,
                                     mask=None),
 }
-GPU_CASES = {  # a depthwise layer of a network and odd ones
-    "depthwise-128": dict(n=2, cin=128, cout=128, h=23, w=29, kh=3, kw=3, groups=128, padding=1),
-    "groups16-og4-dil2": dict(n=3, cin=64, cout=48, h=17, w=13, kh=3, kw=3, groups=16, offset_groups=4, padding=2,
-                              dilation=2),
+GPU_CASES = {  # (options.narrow_groups, make_case's arguments): a network's depthwise layer, taken by the rule, and
+    # groups of 4 channels, which the rule leaves to the implicit GEMM, forced onto the route (odd sizes, dilation)
+    "depthwise-128": (None, dict(n=2, cin=128, cout=128, h=23, w=29, kh=3, kw=3, groups=128, padding=1)),
+    "groups16-og4-dil2": (True, dict(n=3, cin=64, cout=48, h=17, w=13, kh=3, kw=3, groups=16, offset_groups=4,
+                                     padding=2, dilation=2)),
 }
 
 
@@ -80,14 +81,16 @@ def test_modulated_layer_logits_on_narrow_groups(backend, dtype, forced, monkeyp
 
 
 def test_the_rule_keeps_one_group_of_few_channels_on_the_implicit_gemm():
-    from deformconv.ops.deform_conv2d.triton.narrow_groups import MIN_GROUP_CHANNELS, narrow_groups
+    from deformconv.ops.deform_conv2d.triton.narrow_groups import NARROW_CHANNELS, narrow_groups
 
     x = torch.empty(1, 3, 4, 4)
     assert not narrow_groups(x, torch.empty(8, 3, 3, 3))  # one group: a first layer's RGB
     assert narrow_groups(x, torch.empty(3, 1, 3, 3))  # depthwise
     assert narrow_groups(x, torch.empty(6, 1, 3, 3))  # depthwise, two output channels a group
-    wide = torch.empty(1, 2 * MIN_GROUP_CHANNELS, 4, 4)
-    assert not narrow_groups(wide, torch.empty(4, MIN_GROUP_CHANNELS, 3, 3))
+    wide = torch.empty(1, 4 * NARROW_CHANNELS, 4, 4)
+    assert narrow_groups(wide, torch.empty(4, NARROW_CHANNELS, 3, 3))  # four groups of the widest narrow width
+    wider = torch.empty(1, 2 * (NARROW_CHANNELS + 1), 4, 4)
+    assert not narrow_groups(wider, torch.empty(4, NARROW_CHANNELS + 1, 3, 3))
 
 
 @pytest.mark.cuda
@@ -96,10 +99,11 @@ def test_the_rule_keeps_one_group_of_few_channels_on_the_implicit_gemm():
 @pytest.mark.parametrize("case", list(GPU_CASES))
 def test_narrow_groups_on_the_gpu(case, dtype, forced, monkeypatch):
     """Against the float64 reference (fp32 without TF32, as F.conv2d with cudnn.allow_tf32 = False)."""
-    forced(narrow_groups=None)
+    route, case_args = GPU_CASES[case]
+    forced(narrow_groups=route)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     calls = _route_counter(monkeypatch)
-    args, kwargs = make_case(**GPU_CASES[case], dtype=torch.float64, seed=7, device="cuda")
+    args, kwargs = make_case(**case_args, dtype=torch.float64, seed=7, device="cuda")
 
     def reference(x, offset, weight, bias, stride, padding, dilation, mask):
         return deformconv.deform_conv2d(x, offset, weight, bias, stride, padding, dilation, mask,

@@ -32,6 +32,7 @@ float64 in run order.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -42,7 +43,7 @@ from torch import Tensor
 
 from ...compat import conv_matmul_precision
 from .fixed_point import max_abs, scales_for
-from .launch import ceil_div, next_pow2, on_device_of, run_cached, sm_count
+from .launch import MAX_PLANS, ceil_div, next_pow2, on_device_of, remember, run_cached, sm_count
 from .sampling import scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------------------
@@ -250,9 +251,11 @@ def _three(values: Sequence[int], fill: int) -> list:
 
 
 class _Geometry:
-    """The sampling of one call: image (the sampled tensor's spatial size), positions, kernel and the settings."""
+    """The sampling of one call: image (the sampled tensor's spatial size), positions, kernel and the settings; its
+    chunks and launches are kept for the next call of the same signature (geometry())."""
 
     def __init__(self, image, positions, kernel, stride, padding, dilation, channels: int, offset_groups: int):
+        self.plans: dict = {}
         self.rank = len(kernel)
         self.image, self.positions, self.kernel = list(image), list(positions), list(kernel)
         self.K, self.L, self.P = math.prod(kernel), math.prod(positions), math.prod(image)
@@ -267,22 +270,55 @@ class _Geometry:
 
     def chunks(self, n: int) -> List[Tuple[int, int, List[Tuple[int, int]]]]:
         """[(s, e, [(l0, le), ...])]: images s:e together where their columns fit COLUMN_BUDGET, each with its runs
-        of positions (one run, all L, unless a single image's columns exceed the budget)."""
+        of positions (one run, all L, unless a single image's columns exceed the budget). The fewest chunks that fit,
+        all of one size (the last may be smaller): the peak is the largest chunk, so equal ones keep it lowest."""
+        key = ("chunks", n)
+        if key not in self.plans:
+            remember(self.plans, key, self._chunks(n))
+        return self.plans[key]
+
+    def _chunks(self, n: int) -> List[Tuple[int, int, List[Tuple[int, int]]]]:
         per_image = self.C * self.K * self.L
         if per_image <= COLUMN_BUDGET:
-            step = max(1, COLUMN_BUDGET // max(per_image, 1))
+            fit = max(1, COLUMN_BUDGET // max(per_image, 1))
+            step = ceil_div(n, ceil_div(n, fit)) if n else 1
             return [(s, min(n, s + step), [(0, self.L)] if self.L else []) for s in range(0, n, step)]
-        run = max(BLOCK_L, COLUMN_BUDGET // (self.C * self.K) // BLOCK_L * BLOCK_L)
+        fit = max(BLOCK_L, COLUMN_BUDGET // (self.C * self.K) // BLOCK_L * BLOCK_L)
+        run = ceil_div(ceil_div(self.L, ceil_div(self.L, fit)), BLOCK_L) * BLOCK_L
         runs = [(l0, min(self.L, l0 + run)) for l0 in range(0, self.L, run)]
         return [(s, s + 1, runs) for s in range(n)]
 
     def launch(self, n: int, l0: int, le: int, device: torch.device) -> Tuple[tuple, tuple, dict]:
         """(grid, size arguments, meta) of the kernels for positions l0:le of n images: a program walks a row of the
         kernel's last axis where the grid still has ROW_PROGRAMS programs an SM, else one tap."""
+        key = (n, l0, le, device)
+        if key not in self.plans:
+            remember(self.plans, key, self._launch(n, l0, le, device))
+        return self.plans[key]
+
+    def _launch(self, n: int, l0: int, le: int, device: torch.device) -> Tuple[tuple, tuple, dict]:
         tiles, rows = ceil_div(le - l0, BLOCK_L), n * self.G * (self.K // self.kw)
         taps = self.kw if tiles * rows >= ROW_PROGRAMS * sm_count(device) else 1
         return (tiles, rows * self.kw // taps), (*self.sizes, l0, le, le - l0, *self.settings), dict(self.meta,
                                                                                                  TAPS=taps)
+
+
+@functools.lru_cache(maxsize=MAX_PLANS)
+def _geometry(image: tuple, positions: tuple, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple,
+              channels: int, offset_groups: int, tunables: tuple) -> _Geometry:
+    return _Geometry(image, positions, kernel, stride, padding, dilation, channels, offset_groups)
+
+
+def geometry(image, positions, kernel, stride, padding, dilation, channels: int, offset_groups: int) -> _Geometry:
+    """The call's _Geometry, one per signature: its Python (sizes, chunks, grids) runs once, not every call. Keyed by
+    the module's tunables too, which tests and benchmarks set."""
+    return _geometry(tuple(image), tuple(positions), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation),
+                     channels, offset_groups, (BLOCK_L, MAX_BLOCK_C, COLUMN_BUDGET, ROW_PROGRAMS))
+
+
+def _images(s: int, e: int, *tensors: Optional[Tensor]) -> list:
+    """Images s:e of each tensor (None kept)."""
+    return [None if t is None else t[s:e] for t in tensors]
 
 
 def _channels_last(t: Tensor) -> Tensor:
@@ -351,7 +387,7 @@ def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Te
     positions = list(positions)
     r = len(kernel)
     og = offset.shape[1] // (math.prod(kernel) * r)
-    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cin, og)
+    geo = geometry(image, positions, kernel, stride, padding, dilation, cin, og)
     x_cl = _channels_last(input)
     offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
     w = weight.to(input.dtype).reshape(groups, cout // groups, -1)
@@ -359,9 +395,9 @@ def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Te
     out_g = out.view(N, groups, cout // groups, geo.L)
     with on_device_of(input), conv_matmul_precision(input.dtype):
         for s, e, runs in geo.chunks(N):
+            xs, os, ms = (x_cl, offset, mask) if e - s == N else _images(s, e, x_cl, offset, mask)
             for l0, le in runs:
-                cols = _columns(x_cl[s:e], offset[s:e], None if mask is None else mask[s:e], geo, l0, le, input.dtype)
-                cols = cols.view(e - s, groups, -1, le - l0)
+                cols = _columns(xs, os, ms, geo, l0, le, input.dtype).view(e - s, groups, -1, le - l0)
                 if e - s == N and le - l0 == geo.L:  # the whole output at once: straight into it
                     torch.matmul(w, cols, out=out_g)
                 else:
@@ -382,7 +418,7 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     positions = list(grad_out.shape[2:])
     r = len(kernel)
     og = offset.shape[1] // (math.prod(kernel) * r)
-    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cin, og)
+    geo = geometry(image, positions, kernel, stride, padding, dilation, cin, og)
     x_cl = _channels_last(input)
     offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
     dtype = input.dtype
@@ -428,7 +464,7 @@ def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: O
     r = len(kernel)
     image = list(image)
     G = offset.shape[1] // (math.prod(kernel) * r)
-    geo = _Geometry(image, positions, kernel, stride, padding, dilation, cout, G)
+    geo = geometry(image, positions, kernel, stride, padding, dilation, cout, G)
     offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
     w = weight.to(input.dtype).reshape(groups, cin // groups, -1)
     u = input.reshape(N, groups, cin // groups, geo.L)

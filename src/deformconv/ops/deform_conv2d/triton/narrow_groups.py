@@ -1,5 +1,5 @@
-"""deform_conv2d whose convolution groups are narrow (depthwise: fewer than MIN_GROUP_CHANNELS input channels a
-group) through the column kernels of the N-d forms at rank 2 (ops/common/columns_nd.py) instead of the implicit GEMM.
+"""deform_conv2d whose convolution groups are narrow (depthwise and up to NARROW_CHANNELS input channels a group)
+through the column kernels of the N-d forms at rank 2 (ops/common/columns_nd.py) instead of the implicit GEMM.
 
 Why: the implicit GEMM runs a program per (group, position tile), each gathering its group's few channels of every
 corner on its own: at a depthwise layer (8×128→128, 56², 3×3, fp16) 128 programs read 2 bytes each of the same
@@ -24,14 +24,15 @@ from ....checks import suggest_memory_format
 from ....config import options, tracing
 from ...common import columns_nd as columns
 
-# Input channels a group from which the implicit GEMM is taken: depthwise groups (1) are what was measured slow on
-# it; groups of 2 to 7 channels share the pathology in kind but were not measured either way (docs/tuning.md)
-MIN_GROUP_CHANNELS = 2
+# The most input channels a group that goes through the column kernels: at 1, 2, 4 and 8 channels a group the column
+# route's forward+backward took 0.07-0.88x the implicit GEMM's time (fp16 and fp32, two layer shapes), the ratio rising
+# with the channels toward 1 (0.85-0.88 at 8 in fp32); wider groups were not measured (docs/tuning.md: narrow groups)
+NARROW_CHANNELS = 8
 
 
 def narrow_groups(input: Tensor, weight: Tensor) -> bool:
-    """Whether the call goes through the column kernels: more than one group, each of fewer than
-    MIN_GROUP_CHANNELS input channels (one group of few channels, a network's first layer, keeps the implicit GEMM:
+    """Whether the call goes through the column kernels: more than one group, each of at most NARROW_CHANNELS
+    input channels (one group of few channels, a network's first layer, keeps the implicit GEMM:
     its programs gather each corner once). options.narrow_groups forces either way. Not while tracing: the compile
     route's decomposition traces the implicit GEMM's kernels only (the column route's own torch ops fail there on a
     fake CUDA tensor; tests/test_compile_route.py)."""
@@ -39,7 +40,7 @@ def narrow_groups(input: Tensor, weight: Tensor) -> bool:
         return False
     if options.narrow_groups is not None:
         return options.narrow_groups
-    return weight.shape[1] < MIN_GROUP_CHANNELS
+    return weight.shape[1] <= NARROW_CHANNELS
 
 
 def forward(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
