@@ -378,19 +378,23 @@ class _Gradients:
             self.gin += gin.double() * scales[1].double()
 
 
+def _operands(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tensor], stride, padding, dilation,
+              positions: Sequence[int]) -> tuple:
+    """(geometry, the input channels-last, offset and mask contiguous, the weight [groups, Cout/groups, Cin/groups·K]
+    in the input's dtype) of a convolution's call."""
+    cin, kernel = input.shape[1], list(weight.shape[2:])
+    groups = cin // weight.shape[1]
+    og = offset.shape[1] // (math.prod(kernel) * len(kernel))
+    geo = geometry(input.shape[2:], positions, kernel, stride, padding, dilation, cin, og)
+    w = weight.to(input.dtype).reshape(groups, weight.shape[0] // groups, -1)
+    return (geo, _channels_last(input), offset.contiguous(), None if mask is None else mask.contiguous(), w)
+
+
 def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor], mask: Optional[Tensor],
                 stride, padding, dilation, positions: Sequence[int]) -> Tensor:
     """The deformable convolution [N, Cout, *positions] (ops/deform_conv_nd/reference.py: deform_conv)."""
-    N, cin, image = input.shape[0], input.shape[1], list(input.shape[2:])
-    cout, kernel = weight.shape[0], list(weight.shape[2:])
-    groups = cin // weight.shape[1]
-    positions = list(positions)
-    r = len(kernel)
-    og = offset.shape[1] // (math.prod(kernel) * r)
-    geo = geometry(image, positions, kernel, stride, padding, dilation, cin, og)
-    x_cl = _channels_last(input)
-    offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
-    w = weight.to(input.dtype).reshape(groups, cout // groups, -1)
+    geo, x_cl, offset, mask, w = _operands(input, offset, weight, mask, stride, padding, dilation, positions)
+    N, cout, groups, r = input.shape[0], weight.shape[0], w.shape[0], len(positions)
     out = torch.empty((N, cout, *positions), dtype=input.dtype, device=input.device)
     out_g = out.view(N, groups, cout // groups, geo.L)
     with on_device_of(input), conv_matmul_precision(input.dtype):
@@ -412,17 +416,9 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     """The gradients (input, offset, weight, mask) of deform_conv (reference.py: deform_conv_backward)."""
     need_in, need_off, need_w, need_mask = (bool(v) for v in needs)
     need_mask = need_mask and mask is not None
-    N, cin, image = input.shape[0], input.shape[1], list(input.shape[2:])
-    cout, kernel = weight.shape[0], list(weight.shape[2:])
-    groups = cin // weight.shape[1]
-    positions = list(grad_out.shape[2:])
-    r = len(kernel)
-    og = offset.shape[1] // (math.prod(kernel) * r)
-    geo = geometry(image, positions, kernel, stride, padding, dilation, cin, og)
-    x_cl = _channels_last(input)
-    offset, mask = offset.contiguous(), None if mask is None else mask.contiguous()
-    dtype = input.dtype
-    w = weight.to(dtype).reshape(groups, cout // groups, -1)
+    geo, x_cl, offset, mask, w = _operands(input, offset, weight, mask, stride, padding, dilation, grad_out.shape[2:])
+    N, cin, image, cout, groups, dtype = input.shape[0], input.shape[1], list(input.shape[2:]), weight.shape[0], \
+        w.shape[0], input.dtype
     go = grad_out.to(dtype).reshape(N, groups, cout // groups, geo.L)
     grad_in = torch.empty((N, *image, cin), dtype=dtype, device=input.device) if need_in else None
     grad_off = torch.empty_like(offset) if need_off else None
