@@ -34,8 +34,9 @@ def narrow_groups(input: Tensor, weight: Tensor) -> bool:
     """Whether the call goes through the column kernels: more than one group, each of at most NARROW_CHANNELS
     input channels (one group of few channels, a network's first layer, keeps the implicit GEMM:
     its programs gather each corner once). options.narrow_groups forces either way. Not while tracing: the compile
-    route's decomposition traces the implicit GEMM's kernels only (the column route's own torch ops fail there on a
-    fake CUDA tensor; tests/test_compile_route.py)."""
+    route's decomposition traces the implicit GEMM's kernels only. The column route's torch ops (copies, cuBLAS
+    products under a TF32 setting held only while they run) have not been traced: the CPU harness of
+    tests/test_compile_route.py cannot trace any copy of a fake CUDA tensor, and no GPU test covers it."""
     if input.shape[1] == weight.shape[1] or tracing():
         return False
     if options.narrow_groups is not None:
