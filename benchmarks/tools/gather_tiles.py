@@ -6,9 +6,11 @@ keeps the outcome.
     python benchmarks/tools/gather_tiles.py [--dtypes bfloat16 float32] [--families ...] [--tiles 1024x4 ...]
                                             [--roi-spread 0 8 32] [--roi-planes 1 4] [--out PATH]
 
-Forward and forward+backward, `do_bench` medians (ms) of eager calls, each candidate's relative time to the family's
-default last. --roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread, 0: none),
---roi-planes with other numbers of channels the spread tile takes a pass (options.roi_planes).
+Forward and forward+backward, `do_bench` medians (ms) of eager calls: the default as the library runs it (no tile
+forced: the attention's 16-bit forward then runs its tile on half the warps, msda/triton.py: forward_warps), and each
+candidate forced as given (the default's own tile among them), with its time relative to the default last.
+--roi-spread adds RoI pooling's forward with other spread tile widths (options.roi_spread, 0: none), --roi-planes
+with other numbers of channels the spread tile takes a pass (options.roi_planes).
 """
 
 from __future__ import annotations
@@ -86,9 +88,9 @@ def main(argv=None):
             if family not in args.families:
                 continue
             gout = torch.randn_like(fwd())
-            row = dict(family=family, load=load, dtype=dt_name, default=list(defaults[family]))
+            row = dict(family=family, load=load, dtype=dt_name, default=list(defaults[family]))  # its tile
             tiles = unique_tiles([tuple(defaults[family])] + [tuple(map(int, t.split("x"))) for t in args.tiles])
-            variants = [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
+            variants = [("default", {})] + [(f"{e}x{w}", dict(gather_tile=(e, w))) for e, w in tiles]
             if family == "roi_pool":
                 variants += [(f"spread{n}", dict(roi_spread=n)) for n in args.roi_spread]
                 variants += [(f"planes{n}", dict(roi_planes=n)) for n in args.roi_planes]
@@ -104,14 +106,13 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
     env = environment(torch.device("cuda"))
     print(f"\n{env.get('device')}, torch {torch.__version__}; forward / forward+backward time relative to the "
-          "family's default tile (elements x warps)\n")
+          "default as it runs; columns: tiles forced (elements x warps)\n")
     timed = unique_tiles(["{}x{}".format(*defaults[f]) for f in args.families] + args.tiles)
     columns = timed + [f"spread{n}" for n in args.roi_spread] + [f"planes{n}" for n in args.roi_planes]
     print("| family | load | dtype | default ms | " + " | ".join(columns) + " |")
     print("|---|---|---|---|" + "---|" * len(columns))
     for r in rows:
-        d = "{}x{}".format(*r["default"])
-        base_f, base_b = r.get(f"{d}_fwd_ms"), r.get(f"{d}_fb_ms")
+        base_f, base_b = r.get("default_fwd_ms"), r.get("default_fb_ms")
         cells = []
         for key in columns:
             f, b = r.get(f"{key}_fwd_ms"), r.get(f"{key}_fb_ms")
