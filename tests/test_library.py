@@ -257,14 +257,17 @@ def test_double_backward_raises_instead_of_a_silent_zero(path):
         (g.square().sum() + out.sum()).backward()
 
 
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend,narrow", [("reference", None), ("triton", True), ("triton", False)],
+                         ids=["reference", "triton-columns", "triton-implicit-gemm"])
 @pytest.mark.parametrize("layout", ["nchw", "channels_last"])
-def test_backward_op_fake_strides_match_the_real_ones(backend, layout):
+def test_backward_op_fake_strides_match_the_real_ones(backend, narrow, layout, forced):
     """The backward op's fake impl gives each gradient the strides the real one returns (torch.compile asserts them):
     grad_input and grad_weight in their tensor's memory format, grad_offset and grad_mask NCHW-contiguous, with
-    channels_last offset and mask too (a channels_last model's offset conv)."""
+    channels_last offset and mask too (a channels_last model's offset conv); on both of the Triton backend's routes
+    for these groups of two channels (options.narrow_groups)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    forced(narrow_groups=narrow)
     triton = backend == "triton"
     x, offset, weight, bias, m, s, p, d, _ = _op_args(dtype=torch.float32 if triton else torch.float64, seed=3,
                                                       device="cuda" if triton and HAS_CUDA else "cpu")

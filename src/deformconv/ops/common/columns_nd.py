@@ -316,6 +316,11 @@ def geometry(image, positions, kernel, stride, padding, dilation, channels: int,
                      channels, offset_groups, (BLOCK_L, MAX_BLOCK_C, COLUMN_BUDGET, ROW_PROGRAMS))
 
 
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t in dtype (t itself where it is: no dispatch for a no-op cast on the per-call path)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def _images(s: int, e: int, *tensors: Optional[Tensor]) -> list:
     """Images s:e of each tensor (None kept)."""
     return [None if t is None else t[s:e] for t in tensors]
@@ -386,7 +391,7 @@ def _operands(input: Tensor, offset: Tensor, weight: Tensor, mask: Optional[Tens
     groups = cin // weight.shape[1]
     og = offset.shape[1] // (math.prod(kernel) * len(kernel))
     geo = geometry(input.shape[2:], positions, kernel, stride, padding, dilation, cin, og)
-    w = weight.to(input.dtype).reshape(groups, weight.shape[0] // groups, -1)
+    w = _as(weight, input.dtype).reshape(groups, weight.shape[0] // groups, -1)
     return (geo, _channels_last(input), offset.contiguous(), None if mask is None else mask.contiguous(), w)
 
 
@@ -407,7 +412,7 @@ def deform_conv(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Te
                 else:
                     out_g[s:e, ..., l0:le] = torch.matmul(w, cols)
     if bias is not None:
-        out += bias.to(out.dtype).reshape(1, cout, *([1] * r))
+        out += _as(bias, out.dtype).reshape(1, cout, *([1] * r))
     return out
 
 
@@ -419,34 +424,35 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     geo, x_cl, offset, mask, w = _operands(input, offset, weight, mask, stride, padding, dilation, grad_out.shape[2:])
     N, cin, image, cout, groups, dtype = input.shape[0], input.shape[1], list(input.shape[2:]), weight.shape[0], \
         w.shape[0], input.dtype
-    go = grad_out.to(dtype).reshape(N, groups, cout // groups, geo.L)
+    go = (grad_out if grad_out.dtype == dtype else grad_out.to(dtype)).reshape(N, groups, cout // groups, geo.L)
     grad_in = torch.empty((N, *image, cin), dtype=dtype, device=input.device) if need_in else None
     grad_off = torch.empty_like(offset) if need_off else None
     grad_mask = torch.empty_like(mask) if need_mask else None
     grad_w = None  # fp32 sums of the chunks' products
     with on_device_of(input), conv_matmul_precision(dtype):
         for s, e, runs in geo.chunks(N):
-            m = None if mask is None else mask[s:e]
+            whole = (x_cl, offset, mask, go, grad_in, grad_off, grad_mask)
+            xs, os, ms, gos, gin, goff, gmsk = whole if e - s == N else _images(s, e, *whole)
             grads = None
             if need_in or need_off or need_mask:
-                grads = _Gradients(x_cl[s:e], offset[s:e], m, geo, None if grad_in is None else grad_in[s:e],
-                                   None if grad_off is None else grad_off[s:e],
-                                   None if grad_mask is None else grad_mask[s:e])
+                grads = _Gradients(xs, os, ms, geo, gin, goff, gmsk)
             for l0, le in runs:
+                g = gos if le - l0 == geo.L else gos[..., l0:le]
                 if need_w:
-                    cols = _columns(x_cl[s:e], offset[s:e], m, geo, l0, le, dtype).view(e - s, groups, -1, le - l0)
-                    part = torch.matmul(go[s:e, ..., l0:le], cols.transpose(-1, -2)).sum(0, dtype=torch.float32)
+                    cols = _columns(xs, os, ms, geo, l0, le, dtype).view(e - s, groups, -1, le - l0)
+                    part = torch.matmul(g, cols.transpose(-1, -2))
+                    # the images' products summed in fp32 (one image's: the product itself where that is fp32)
+                    part = part[0] if e - s == 1 and part.dtype == torch.float32 else part.sum(0, dtype=torch.float32)
                     grad_w = part if grad_w is None else grad_w.add_(part)
                     del cols
                 if grads is not None:
-                    grads.run(torch.matmul(w.transpose(1, 2), go[s:e, ..., l0:le]).view(e - s, cin, geo.K, le - l0),
-                              l0, le)
+                    grads.run(torch.matmul(w.transpose(1, 2), g).view(e - s, cin, geo.K, le - l0), l0, le)
             if need_in:
                 grads.finish()
     if need_w and grad_w is None:  # no positions
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=input.device)
     return (None if grad_in is None else grad_in.movedim(-1, 1), grad_off,
-            None if grad_w is None else grad_w.reshape(weight.shape).to(weight.dtype), grad_mask)
+            None if grad_w is None else _as(grad_w.reshape(weight.shape), weight.dtype), grad_mask)
 
 
 def deform_conv_transpose(input: Tensor, offset: Tensor, weight: Tensor, bias: Optional[Tensor],

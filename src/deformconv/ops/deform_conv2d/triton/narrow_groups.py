@@ -67,8 +67,10 @@ def backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight: Tensor, ma
     g_in, g_off, g_w, g_mask = columns.deform_conv_backward(
         grad_out, input, offset, weight, sig if logits else mask, list(stride), list(padding), list(dilation),
         (need_in, need_off, need_w, need_mask))
-    if g_in is not None:
+    if g_in is not None:  # the gradients of input and weight in their tensors' layouts, as the op's fake promises
         g_in = g_in.contiguous(memory_format=suggest_memory_format(input))
+    if g_w is not None:
+        g_w = g_w.contiguous(memory_format=suggest_memory_format(weight))
     g_b = grad_out.sum((0, 2, 3), dtype=torch.float32).to(weight.dtype) if need_b else None
     if logits:
         joined = None
