@@ -162,6 +162,30 @@ def test_ops_pass_opcheck(name):
     torch.library.opcheck(op.default, args)
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=requires_interpreter)])
+@pytest.mark.parametrize("name", list(FUNCTIONS), ids=[f"{'transpose' if t else 'conv'}{r}d" for r, t in FUNCTIONS])
+def test_backward_op_fake_strides_match_the_real_ones(name, backend):
+    """Every gradient the backward op returns has the shape, strides and dtype its fake impl promises (torch.compile
+    asserts them where the op stays opaque), on each backend (the Triton backend sums grad_input channels-last)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    rank, transposed = name
+    case = next(k for k, v in CASES.items() if v[:2] == name)
+    _, _, size, kernel, stride, padding, dilation, out_pad, groups, _ = CASES[case]
+    (x, offset, weight, bias, mask), call, _ = _case(case, dtype=torch.float32)
+    grad_out = torch.randn_like(call(x, offset, weight, bias, mask, backend=backend))
+    op = getattr(torch.ops.deformconv, f"deform_conv_transpose{rank}d_backward" if transposed
+                 else f"deform_conv{rank}d_backward")
+    args = (grad_out, x, offset, weight, bias, mask, list(stride), list(padding), list(dilation),
+            list(out_pad) if transposed else [0] * rank, groups if transposed else x.shape[1] // weight.shape[1],
+            backend, [True] * 5)
+    real = op(*args)
+    with FakeTensorMode() as mode:
+        fake = op(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
+    for what, r, f in zip(["input", "offset", "weight", "bias", "mask"], real, fake):
+        assert (r.shape, r.stride(), r.dtype) == (f.shape, f.stride(), f.dtype), what
+
+
 @pytest.mark.parametrize("name", ["conv1d-k4", "conv3d-mixed", "transpose2d-s2"])
 def test_empty_batch(name):
     leaves, call, _ = _case(name, n=0)

@@ -56,7 +56,9 @@ def _gradients(impl, transposed: bool, grad_out, input, offset, weight, bias, ma
     if not transposed:
         g_in, g_off, g_w, g_mask = impl.deform_conv_backward(grad_out, input, offset, weight, mask, stride, padding,
                                                              dilation, (need_in, need_off, need_w, need_mask))
-        return g_in, g_off, g_w, grad_b, g_mask
+        # contiguous, as the fake promises (the Triton backend sums grad_input channels-last; autograd would copy
+        # it to the input's layout anyway)
+        return None if g_in is None else g_in.contiguous(), g_off, g_w, grad_b, g_mask
     g = grad_out.to(input.dtype)
     g_in = None
     if need_in:
