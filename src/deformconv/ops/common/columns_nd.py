@@ -32,7 +32,6 @@ float64 in run order.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import List, Optional, Sequence, Tuple
 
@@ -42,8 +41,9 @@ import triton.language as tl
 from torch import Tensor
 
 from ...compat import conv_matmul_precision
+from ...config import options
 from .fixed_point import max_abs, scales_for
-from .launch import MAX_PLANS, ceil_div, next_pow2, on_device_of, remember, run_cached, sm_count
+from .launch import ceil_div, next_pow2, on_device_of, remember, run_cached, sm_count
 from .sampling import scatter_add
 
 # --- configs -------------------------------------------------------------------------------------------------------
@@ -303,17 +303,17 @@ class _Geometry:
                                                                                                  TAPS=taps)
 
 
-@functools.lru_cache(maxsize=MAX_PLANS)
-def _geometry(image: tuple, positions: tuple, kernel: tuple, stride: tuple, padding: tuple, dilation: tuple,
-              channels: int, offset_groups: int, tunables: tuple) -> _Geometry:
-    return _Geometry(image, positions, kernel, stride, padding, dilation, channels, offset_groups)
-
-
 def geometry(image, positions, kernel, stride, padding, dilation, channels: int, offset_groups: int) -> _Geometry:
-    """The call's _Geometry, one per signature: its Python (sizes, chunks, grids) runs once, not every call. Keyed by
-    the module's tunables too, which tests and benchmarks set."""
-    return _geometry(tuple(image), tuple(positions), tuple(kernel), tuple(stride), tuple(padding), tuple(dilation),
-                     channels, offset_groups, (BLOCK_L, MAX_BLOCK_C, COLUMN_BUDGET, ROW_PROGRAMS))
+    """The call's _Geometry, one per signature in the plan caches (options.cache): its Python (sizes, chunks, grids)
+    runs once, not every call. Keyed by the module's tunables too, which tests and benchmarks set."""
+    key = (*map(tuple, (image, positions, kernel, stride, padding, dilation)), channels, offset_groups, BLOCK_L,
+           MAX_BLOCK_C, COLUMN_BUDGET, ROW_PROGRAMS)
+    cache = options.cache("nd_geometries")
+    geo = cache.get(key)
+    if geo is None:
+        geo = remember(cache, key, _Geometry(image, positions, kernel, stride, padding, dilation, channels,
+                                             offset_groups))
+    return geo
 
 
 def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -424,7 +424,7 @@ def deform_conv_backward(grad_out: Tensor, input: Tensor, offset: Tensor, weight
     geo, x_cl, offset, mask, w = _operands(input, offset, weight, mask, stride, padding, dilation, grad_out.shape[2:])
     N, cin, image, cout, groups, dtype = input.shape[0], input.shape[1], list(input.shape[2:]), weight.shape[0], \
         w.shape[0], input.dtype
-    go = (grad_out if grad_out.dtype == dtype else grad_out.to(dtype)).reshape(N, groups, cout // groups, geo.L)
+    go = _as(grad_out, dtype).reshape(N, groups, cout // groups, geo.L)
     grad_in = torch.empty((N, *image, cin), dtype=dtype, device=input.device) if need_in else None
     grad_off = torch.empty_like(offset) if need_off else None
     grad_mask = torch.empty_like(mask) if need_mask else None
